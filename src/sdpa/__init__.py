@@ -1,0 +1,34 @@
+"""sdpa: scaled dot-product attention in NumPy, readable, tested against PyTorch.
+
+Shape letters used throughout: ``B`` batch, ``H`` heads (``Hq``, ``Hkv`` when they differ),
+``T`` query length, ``S`` key length, ``E`` model width, ``Dk`` query/key width per head,
+``Dv`` value width per head, ``Bq``/``Bk`` tile sizes.
+
+>>> import numpy as np
+>>> import sdpa
+>>> q = np.ones((2, 3, 4))  # (B, T, Dk)
+>>> sdpa.scaled_dot_product_attention(q, q, q).shape
+(2, 3, 4)
+"""
+
+from .attention import scaled_dot_product_attention
+from .masks import causal_mask, padding_mask, sliding_window_mask
+from .multihead import MultiHeadAttention, merge_heads, split_heads
+from .positional import sinusoidal_positional_encoding
+from .softmax import log_softmax, logsumexp, softmax
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiHeadAttention",
+    "causal_mask",
+    "log_softmax",
+    "logsumexp",
+    "merge_heads",
+    "padding_mask",
+    "scaled_dot_product_attention",
+    "sinusoidal_positional_encoding",
+    "sliding_window_mask",
+    "softmax",
+    "split_heads",
+]

@@ -1,0 +1,190 @@
+"""Numerically stable softmax, log-softmax and log-sum-exp.
+
+All three subtract the slice maximum ``m`` before exponentiating, so ``exp`` never sees a
+positive argument and cannot overflow. Two edge cases get exact answers instead of NaN:
+
+* a slice that is entirely ``-inf`` (every position masked) has softmax ``0`` everywhere,
+  log-sum-exp ``-inf`` and log-softmax ``-inf``;
+* a slice that contains ``+inf`` puts all its mass, shared equally, on the ``+inf`` entries
+  (the limit of softmax as those entries grow).
+
+NaN inputs propagate as NaN. float16 is computed in float32 and returned as float16; integer
+and bool inputs are computed and returned in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from ._checks import as_float_array, check_axis, compute_dtype
+
+__all__ = ["softmax", "log_softmax", "logsumexp"]
+
+
+def _prepare(x: ArrayLike, axis) -> tuple[np.ndarray, int, np.dtype]:
+    arr = as_float_array(x, "x")
+    if arr.ndim == 0:
+        raise ValueError("x must have at least one dimension; got a 0-d array")
+    axis = check_axis(arr, axis)
+    out_dtype, work_dtype = compute_dtype(arr)
+    return arr.astype(work_dtype, copy=False), axis, out_dtype
+
+
+def softmax_and_lse(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax and log-sum-exp of a floating array along ``axis`` (internal, no validation).
+
+    Returns ``(p, lse)`` where ``lse`` keeps the reduced axis with length one. ``x`` is not
+    modified. Slices that are entirely ``-inf`` (or empty) give ``p = 0`` and ``lse = -inf``.
+    """
+    if x.shape[axis] == 0:
+        lse_shape = list(x.shape)
+        lse_shape[axis] = 1
+        return np.zeros_like(x), np.full(lse_shape, -np.inf, dtype=x.dtype)
+    m = np.max(x, axis=axis, keepdims=True)
+    has_pos_inf = np.isposinf(m)
+    # Shift by the maximum where it is finite; an all -inf slice is shifted by 0 so that
+    # exp(-inf - 0) = 0 rather than exp(-inf - -inf) = exp(nan).
+    shift = np.where(np.isfinite(m), m, 0).astype(x.dtype, copy=False)
+    p = np.subtract(x, shift)
+    np.exp(p, out=p)
+    total = np.sum(p, axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = shift + np.log(total)  # log(0) = -inf for fully masked slices
+    np.divide(p, total, out=p, where=total > 0)
+    p[np.broadcast_to(total == 0, p.shape)] = 0
+    if has_pos_inf.any():
+        is_inf = np.isposinf(x)
+        share = is_inf / np.sum(is_inf, axis=axis, keepdims=True)
+        p = np.where(has_pos_inf, share, p).astype(x.dtype, copy=False)
+        lse = np.where(has_pos_inf, np.inf, lse).astype(x.dtype, copy=False)
+    return p, lse
+
+
+def softmax(x: ArrayLike, axis: int = -1) -> np.ndarray:
+    r"""Softmax along ``axis``: ``exp(x - m) / sum(exp(x - m))`` with ``m`` the slice maximum.
+
+    Parameters
+    ----------
+    x : (..., N, ...) array_like
+        Real scores. Integer and bool inputs are converted to float64.
+    axis : int, default -1
+        The axis that is normalised.
+
+    Returns
+    -------
+    p : np.ndarray
+        Same shape and floating dtype as ``x``; each slice along ``axis`` is non-negative and
+        sums to one, except slices that are entirely ``-inf``, which are all zero.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is complex or not numeric, or ``axis`` is not an integer.
+    ValueError
+        If ``x`` is 0-d or ``axis`` is out of range.
+
+    Notes
+    -----
+    Subtracting the maximum changes nothing mathematically, since
+    :math:`e^{x_i - m} / \sum_j e^{x_j - m} = e^{x_i} / \sum_j e^{x_j}`, but it keeps every
+    exponent at most zero, so float32 scores of ``1e4`` do not overflow.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import softmax
+    >>> np.round(softmax([2.0, 1.0, 0.1]), 3)
+    array([0.659, 0.242, 0.099])
+    >>> softmax(np.array([1e4, 0.0], dtype=np.float32))  # no overflow
+    array([1., 0.], dtype=float32)
+    >>> softmax([-np.inf, -np.inf])  # a fully masked slice is all zero, not NaN
+    array([0., 0.])
+    """
+    arr, axis, out_dtype = _prepare(x, axis)
+    p, _ = softmax_and_lse(arr, axis)
+    return p.astype(out_dtype, copy=False)
+
+
+def logsumexp(x: ArrayLike, axis: int = -1) -> np.ndarray:
+    r"""Stable ``log(sum(exp(x)))`` along ``axis``; ``-inf`` for slices that are all ``-inf``.
+
+    Parameters
+    ----------
+    x : (..., N, ...) array_like
+        Real values.
+    axis : int, default -1
+        The axis that is reduced.
+
+    Returns
+    -------
+    lse : np.ndarray
+        ``x`` with ``axis`` removed, in the floating dtype of ``x``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is complex or not numeric, or ``axis`` is not an integer.
+    ValueError
+        If ``x`` is 0-d or ``axis`` is out of range.
+
+    Notes
+    -----
+    Computed as :math:`m + \log \sum_j e^{x_j - m}` with ``m`` the slice maximum. An empty
+    slice has log-sum-exp ``-inf`` (the log of an empty sum).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import logsumexp
+    >>> float(np.round(logsumexp([0.0, np.log(3.0)]), 6))  # log(1 + 3)
+    1.386294
+    >>> logsumexp(np.array([1e4, 1e4], dtype=np.float32))  # 1e4 + log 2, no overflow
+    array(10000.693, dtype=float32)
+    >>> logsumexp([-np.inf, -np.inf])
+    array(-inf)
+    """
+    arr, axis, out_dtype = _prepare(x, axis)
+    _, lse = softmax_and_lse(arr, axis)
+    return np.squeeze(lse, axis=axis).astype(out_dtype, copy=False)
+
+
+def log_softmax(x: ArrayLike, axis: int = -1) -> np.ndarray:
+    """Stable ``log(softmax(x))`` along ``axis``, computed as ``x - logsumexp(x)``.
+
+    Parameters
+    ----------
+    x : (..., N, ...) array_like
+        Real scores.
+    axis : int, default -1
+        The axis that is normalised.
+
+    Returns
+    -------
+    log_p : np.ndarray
+        Same shape and floating dtype as ``x``. Entries that are ``-inf`` stay ``-inf``
+        (probability zero), also in slices that are entirely ``-inf``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is complex or not numeric, or ``axis`` is not an integer.
+    ValueError
+        If ``x`` is 0-d or ``axis`` is out of range.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import log_softmax
+    >>> np.round(log_softmax([2.0, 1.0, 0.1]), 3)
+    array([-0.417, -1.417, -2.317])
+    >>> log_softmax(np.array([-1e4, 1e4], dtype=np.float32))  # exact where naive log underflows
+    array([-20000.,      0.], dtype=float32)
+    """
+    arr, axis, out_dtype = _prepare(x, axis)
+    p, lse = softmax_and_lse(arr, axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(np.isneginf(arr), -np.inf, arr - lse)
+        if np.isposinf(lse).any():  # slices holding +inf: log of the limit distribution
+            out = np.where(np.isposinf(lse), np.log(p), out)
+    return out.astype(out_dtype, copy=False)
