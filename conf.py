@@ -1,9 +1,31 @@
-"""Sphinx configuration for the sdpa book. Sources live in book/; build with `make html`."""
+"""Sphinx configuration for the sdpa book. Sources live in book/; build with `make html`.
+
+Three things here go beyond a stock configuration:
+
+* **Maths offline.** MathJax 4 and its New Computer Modern font come from the npm packages
+  pinned in ``package.json`` (``make html`` runs ``npm ci``); :func:`copy_mathjax` copies the
+  few folders the site needs into ``_static/mathjax`` and ``book/_static/mathjax-config.js``
+  points MathJax at them. No page loads anything from another host.
+* **No stale outputs.** jupyter-cache keys a page on its own code cells only. The cache
+  folder and a config value are therefore keyed on a fingerprint of ``src/sdpa`` (and of the
+  Python, NumPy and Matplotlib versions): when the package changes, Sphinx sees a changed
+  configuration, re-reads every page, and myst-nb finds an empty cache, so every page executes
+  against the new code. Reverting the package finds the older cache again.
+* **Notebook downloads.** myst-nb writes each executed page as a notebook; :func:`copy_notebooks`
+  puts it beside the MyST source in ``_sources/`` and the theme's download menu offers both.
+"""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import shutil
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
 
 project = "sdpa: scaled dot-product attention"
 author = "the sdpa authors"
@@ -12,6 +34,7 @@ copyright = "2026, the sdpa authors"
 extensions = [
     "myst_nb",
     "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
     "numpydoc",
@@ -26,7 +49,7 @@ bibtex_bibfiles = sorted(glob.glob("book/references/*.bib"))
 bibtex_default_style = "plain"
 bibtex_reference_style = "author_year"
 
-exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_static", "**/.ipynb_checkpoints"]
 
 # MyST and MyST-NB
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "substitution"]
@@ -38,17 +61,28 @@ nb_render_markdown_format = "myst"
 nb_merge_streams = True
 
 # API reference
+autosummary_generate = False
 numpydoc_show_class_members = False
 numpydoc_validation_checks = set()
 autodoc_typehints = "none"
+autodoc_member_order = "bysource"
+
+# Maths: MathJax 4 served from this site (see copy_mathjax below and the module docstring).
+mathjax_path = "mathjax/tex-chtml.js"
+mathjax_config_path = "book/_static/mathjax-config.js"
 
 html_theme = "sphinx_book_theme"
 html_title = "sdpa"
+html_static_path = ["book/_static"]
+html_css_files = ["sdpa.css"]
+# The pydata/book themes log a console error on a first visit without a stored mode.
 html_context = {"default_mode": "auto"}
 html_theme_options = {
     "show_toc_level": 2,
     "use_download_button": True,
 }
+html_last_updated_fmt = None
+html_copy_source = True
 
 nitpicky = True
 nitpick_ignore_regex = [
@@ -57,6 +91,143 @@ nitpick_ignore_regex = [
 ]
 
 
+# --------------------------------------------------------------------------------------------
+# The execution cache follows the package.
+
+PACKAGE_DIR = ROOT / "src" / "sdpa"
+MATHJAX_DIR = ROOT / "node_modules" / "mathjax"
+MATHJAX_FONT_DIR = ROOT / "node_modules" / "@mathjax" / "mathjax-newcm-font"
+# What the site needs from the npm packages, relative to each package (about 10 MB).
+MATHJAX_PARTS = ["tex-chtml.js", "input", "a11y", "ui", "sre", "LICENSE"]
+MATHJAX_FONT_PARTS = ["chtml", "LICENSE"]
+KEEP_OLD_CACHES = 2  # besides the current one, so that switching back and forth stays cheap
+
+
+def package_fingerprint(package_dir: Path = PACKAGE_DIR) -> str:
+    """Hash of everything the executed pages depend on besides their own code."""
+    digest = hashlib.sha256()
+    for path in sorted(package_dir.rglob("*.py")):
+        digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    versions = [f"python {sys.version_info[0]}.{sys.version_info[1]}"]
+    for dist in ("numpy", "matplotlib"):
+        try:
+            versions.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{dist} missing")
+    digest.update("\n".join(versions).encode())
+    return digest.hexdigest()[:16]
+
+
+# A changed value marks the configuration as changed, so Sphinx re-reads (and myst-nb
+# re-executes) every page. It is recomputed each time Sphinx loads this file.
+sdpa_package_fingerprint = package_fingerprint()
+
+
+def key_execution_cache(app, config) -> None:
+    """Put the jupyter cache in <doctrees>/jupyter-cache/<fingerprint>; prune old ones."""
+    if config.nb_execution_cache_path:  # set explicitly (-D or conf): leave it alone
+        return
+    root = Path(app.doctreedir) / "jupyter-cache"
+    current = root / f"sdpa-{config.sdpa_package_fingerprint}"
+    config.nb_execution_cache_path = str(current)
+    if root.is_dir():
+        old = sorted(
+            (p for p in root.iterdir() if p.is_dir() and p != current),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )
+        for stale in old[KEEP_OLD_CACHES:]:
+            shutil.rmtree(stale, ignore_errors=True)
+    current.mkdir(parents=True, exist_ok=True)
+    os.utime(current)
+
+
+# --------------------------------------------------------------------------------------------
+# MathJax from the npm packages, copied into the site.
+
+
+def check_mathjax(app) -> None:
+    if app.builder.format != "html":
+        return
+    missing = [p for p in (MATHJAX_DIR / "tex-chtml.js", MATHJAX_FONT_DIR / "chtml") if not p.exists()]
+    if missing:
+        from sphinx.errors import ConfigError
+
+        raise ConfigError(
+            "MathJax is not installed: missing "
+            + ", ".join(str(p) for p in missing)
+            + ". Run `make node_modules` (or `npm ci`) in the project folder first."
+        )
+
+
+def _copy_tree_parts(src: Path, dest: Path, parts: list[str]) -> None:
+    for part in parts:
+        source = src / part
+        target = dest / part
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        elif source.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def copy_mathjax(app, exception) -> None:
+    """Copy MathJax and its font into _static/mathjax unless the same versions are there."""
+    if exception or app.builder.format != "html":
+        return
+    dest = Path(app.outdir) / "_static" / "mathjax"
+    stamp = dest / ".installed"
+    versions = "\n".join(
+        (d / "package.json").read_text(encoding="utf-8") for d in (MATHJAX_DIR, MATHJAX_FONT_DIR)
+    )
+    if stamp.exists() and stamp.read_text(encoding="utf-8") == versions:
+        return
+    shutil.rmtree(dest, ignore_errors=True)
+    _copy_tree_parts(MATHJAX_DIR, dest, MATHJAX_PARTS)
+    # MathJax looks for fonts in [mathjax]/fonts/<font>-font (see mathjax-config.js).
+    _copy_tree_parts(MATHJAX_FONT_DIR, dest / "fonts" / "mathjax-newcm-font", MATHJAX_FONT_PARTS)
+    stamp.write_text(versions, encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Each executed page offered as a notebook.
+
+
+def _notebook_path(app, docname: str) -> Path:
+    # myst-nb writes executed notebooks to <outdir>/../jupyter_execute/<docname>.ipynb.
+    return Path(app.outdir).parent / "jupyter_execute" / f"{docname}.ipynb"
+
+
+def _is_notebook(app, docname: str) -> bool:
+    return docname in getattr(app.env, "nb_metadata", {}) and _notebook_path(app, docname).exists()
+
+
+def offer_notebook(app, pagename, templatename, context, doctree) -> None:
+    """Let the theme's download menu list the page's .ipynb (runs before the theme's hook)."""
+    if doctree is not None and _is_notebook(app, pagename):
+        context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+def copy_notebooks(app, exception) -> None:
+    if exception or app.builder.format != "html":
+        return
+    sources = Path(app.outdir) / "_sources"
+    for docname in sorted(app.env.found_docs):
+        if _is_notebook(app, docname):
+            target = sources / f"{docname}.ipynb"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(_notebook_path(app, docname), target)
+
+
 def setup(app):
+    app.add_config_value("sdpa_package_fingerprint", "", "env", types=frozenset({str}))
+    # Before myst-nb reads nb_execution_cache_path in builder-inited.
+    app.connect("config-inited", key_execution_cache)
+    app.connect("builder-inited", check_mathjax)
+    app.connect("build-finished", copy_mathjax)
+    app.connect("build-finished", copy_notebooks)
+    app.connect("html-page-context", offer_notebook, priority=400)
     # Formulas in headings appear in the navigation of every page, so load MathJax everywhere.
     app.set_html_assets_policy("always")
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -11,21 +11,32 @@ Shape letters used throughout: ``B`` batch, ``H`` heads (``Hq``, ``Hkv`` when th
 (2, 3, 4)
 """
 
+from .alibi import alibi_bias, alibi_slopes
 from .attention import scaled_dot_product_attention
+from .kvcache import KVCache
+from .linear import elu_feature_map, linear_attention
 from .masks import causal_mask, padding_mask, sliding_window_mask
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 from .positional import sinusoidal_positional_encoding
+from .rope import apply_rotary_embedding, rotary_cos_sin
 from .softmax import log_softmax, logsumexp, softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
     "MultiHeadAttention",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rotary_embedding",
     "causal_mask",
+    "elu_feature_map",
+    "linear_attention",
     "log_softmax",
     "logsumexp",
     "merge_heads",
     "padding_mask",
+    "rotary_cos_sin",
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding",
     "sliding_window_mask",

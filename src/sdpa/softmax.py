@@ -35,30 +35,44 @@ def softmax_and_lse(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarr
     """Softmax and log-sum-exp of a floating array along ``axis`` (internal, no validation).
 
     Returns ``(p, lse)`` where ``lse`` keeps the reduced axis with length one. ``x`` is not
-    modified. Slices that are entirely ``-inf`` (or empty) give ``p = 0`` and ``lse = -inf``.
+    modified and no floating-point warning is raised. Per slice:
+
+    * finite maximum: the ordinary stable formula;
+    * entirely ``-inf`` (or empty): ``p = 0`` and ``lse = -inf``;
+    * containing ``+inf`` (and no NaN): the mass is shared equally by the ``+inf`` entries and
+      ``lse = +inf``;
+    * containing NaN: ``p`` and ``lse`` are NaN for the whole slice.
     """
     if x.shape[axis] == 0:
         lse_shape = list(x.shape)
         lse_shape[axis] = 1
         return np.zeros_like(x), np.full(lse_shape, -np.inf, dtype=x.dtype)
-    m = np.max(x, axis=axis, keepdims=True)
-    has_pos_inf = np.isposinf(m)
-    # Shift by the maximum where it is finite; an all -inf slice is shifted by 0 so that
-    # exp(-inf - 0) = 0 rather than exp(-inf - -inf) = exp(nan).
-    shift = np.where(np.isfinite(m), m, 0).astype(x.dtype, copy=False)
-    p = np.subtract(x, shift)
+    m = np.max(x, axis=axis, keepdims=True)  # NaN if the slice holds a NaN
+    ordinary = np.isfinite(m)
+    if ordinary.all():
+        p = np.subtract(x, m)
+        np.exp(p, out=p)  # every exponent <= 0: no overflow
+        total = np.sum(p, axis=axis, keepdims=True)  # >= 1, since the maximum gives exp(0)
+        p /= total
+        return p, m + np.log(total)
+    # Some slices are special (all -inf, +inf, NaN). Exponentiate only the ordinary ones;
+    # the others start from exp(-inf) = 0 and are filled in below.
+    shift = np.where(ordinary, m, 0).astype(x.dtype, copy=False)
+    p = np.where(ordinary, x, x.dtype.type(-np.inf)) - shift
     np.exp(p, out=p)
     total = np.sum(p, axis=axis, keepdims=True)
-    with np.errstate(divide="ignore"):
-        lse = shift + np.log(total)  # log(0) = -inf for fully masked slices
-    np.divide(p, total, out=p, where=total > 0)
-    p[np.broadcast_to(total == 0, p.shape)] = 0
-    if has_pos_inf.any():
+    p /= np.where(ordinary, total, 1)
+    lse = np.where(ordinary, m + np.log(np.where(ordinary, total, 1)), m)  # -inf, +inf or NaN
+    has_pos_inf = np.isposinf(m)
+    if has_pos_inf.any():  # the limit of softmax as the +inf entries grow together
         is_inf = np.isposinf(x)
-        share = is_inf / np.sum(is_inf, axis=axis, keepdims=True)
+        count = np.sum(is_inf, axis=axis, keepdims=True)
+        share = is_inf / np.maximum(count, 1)
         p = np.where(has_pos_inf, share, p).astype(x.dtype, copy=False)
-        lse = np.where(has_pos_inf, np.inf, lse).astype(x.dtype, copy=False)
-    return p, lse
+    has_nan = np.isnan(m)
+    if has_nan.any():
+        p = np.where(has_nan, x.dtype.type(np.nan), p)
+    return p, lse.astype(x.dtype, copy=False)
 
 
 def softmax(x: ArrayLike, axis: int = -1) -> np.ndarray:
@@ -184,7 +198,9 @@ def log_softmax(x: ArrayLike, axis: int = -1) -> np.ndarray:
     arr, axis, out_dtype = _prepare(x, axis)
     p, lse = softmax_and_lse(arr, axis)
     with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.where(np.isneginf(arr), -np.inf, arr - lse)
+        # -inf entries have probability zero: -inf exactly, also where lse is -inf too
+        # (slices entirely -inf), where the subtraction alone would give NaN.
+        out = np.where(np.isneginf(arr) & ~np.isnan(lse), -np.inf, arr - lse)
         if np.isposinf(lse).any():  # slices holding +inf: log of the limit distribution
             out = np.where(np.isposinf(lse), np.log(p), out)
     return out.astype(out_dtype, copy=False)
