@@ -45,7 +45,9 @@ extensions = [
 ]
 
 # One .bib file per topic so that chapters can add references independently.
-bibtex_bibfiles = sorted(glob.glob("book/references/*.bib"))
+bibtex_bibfiles = sorted(
+    Path(p).relative_to(ROOT).as_posix() for p in glob.glob(str(ROOT / "book" / "references" / "*.bib"))
+)
 bibtex_default_style = "plain"
 bibtex_reference_style = "author_year"
 
@@ -68,13 +70,16 @@ autodoc_typehints = "none"
 autodoc_member_order = "bysource"
 
 # Maths: MathJax 4 served from this site (see copy_mathjax below and the module docstring).
+# The configuration is a static file (not mathjax_config_path, which Sphinx inlines only into
+# pages it rewrites), loaded after the extensions' inline settings, before the deferred MathJax.
 mathjax_path = "mathjax/tex-chtml.js"
-mathjax_config_path = "book/_static/mathjax-config.js"
 
 html_theme = "sphinx_book_theme"
 html_title = "sdpa"
+html_favicon = "book/_static/favicon.svg"  # also spares the browser a request for /favicon.ico
 html_static_path = ["book/_static"]
 html_css_files = ["sdpa.css"]
+html_js_files = [("mathjax-config.js", {"priority": 510})]
 # The pydata/book themes log a console error on a first visit without a stored mode.
 html_context = {"default_mode": "auto"}
 html_theme_options = {
@@ -200,7 +205,10 @@ def _notebook_path(app, docname: str) -> Path:
 
 
 def _is_notebook(app, docname: str) -> bool:
-    return docname in getattr(app.env, "nb_metadata", {}) and _notebook_path(app, docname).exists()
+    """True when myst-nb wrote this page as a notebook since its source last changed."""
+    notebook = _notebook_path(app, docname)
+    source = Path(app.env.doc2path(docname))
+    return notebook.exists() and notebook.stat().st_mtime >= source.stat().st_mtime
 
 
 def offer_notebook(app, pagename, templatename, context, doctree) -> None:
@@ -220,7 +228,41 @@ def copy_notebooks(app, exception) -> None:
             shutil.copy2(_notebook_path(app, docname), target)
 
 
+# --------------------------------------------------------------------------------------------
+# The API reference lists whatever sdpa.__all__ holds when the book is built.
+
+API_MARKER = "% sdpa-api-members"
+
+
+def api_reference_markdown() -> str:
+    """MyST for a summary table and one autodoc entry per name in ``sdpa.__all__``."""
+    import inspect
+
+    import sdpa
+
+    names = list(sdpa.__all__)
+    # autodoc writes reStructuredText, so every directive sits in an eval-rst block.
+    lines = ["```{eval-rst}", ".. autosummary::", ""]
+    lines += [f"   {name}" for name in names]
+    lines += ["```", ""]
+    for name in names:
+        obj = getattr(sdpa, name)
+        lines += ["```{eval-rst}"]
+        if inspect.isclass(obj):
+            lines += [f".. autoclass:: sdpa.{name}", "   :members:", "   :special-members: __call__"]
+        else:
+            lines += [f".. autofunction:: sdpa.{name}"]
+        lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def write_api_reference(app, docname, source) -> None:
+    if API_MARKER in source[0]:
+        source[0] = source[0].replace(API_MARKER, api_reference_markdown())
+
+
 def setup(app):
+    app.connect("source-read", write_api_reference)
     app.add_config_value("sdpa_package_fingerprint", "", "env", types=frozenset({str}))
     # Before myst-nb reads nb_execution_cache_path in builder-inited.
     app.connect("config-inited", key_execution_cache)

@@ -13,6 +13,8 @@ Shape letters used throughout: ``B`` batch, ``H`` heads (``Hq``, ``Hkv`` when th
 
 from .alibi import alibi_bias, alibi_slopes
 from .attention import scaled_dot_product_attention
+from .backward import scaled_dot_product_attention_backward
+from .gradcheck import gradcheck, numerical_gradient
 from .kvcache import KVCache
 from .linear import elu_feature_map, linear_attention
 from .masks import causal_mask, padding_mask, sliding_window_mask
@@ -20,6 +22,7 @@ from .multihead import MultiHeadAttention, merge_heads, split_heads
 from .positional import sinusoidal_positional_encoding
 from .rope import apply_rotary_embedding, rotary_cos_sin
 from .softmax import log_softmax, logsumexp, softmax
+from .softmax_grad import softmax_jacobian, softmax_vjp
 
 __version__ = "0.1.0"
 
@@ -31,15 +34,20 @@ __all__ = [
     "apply_rotary_embedding",
     "causal_mask",
     "elu_feature_map",
+    "gradcheck",
     "linear_attention",
     "log_softmax",
     "logsumexp",
     "merge_heads",
+    "numerical_gradient",
     "padding_mask",
     "rotary_cos_sin",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
     "sinusoidal_positional_encoding",
     "sliding_window_mask",
     "softmax",
+    "softmax_jacobian",
+    "softmax_vjp",
     "split_heads",
 ]

@@ -33,6 +33,7 @@ from ._checks import (
 )
 from .masks import alignment_offset, band_limits, band_mask
 from .softmax import softmax_and_lse
+from .tiled import attention_tiled, worth_tiling
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -298,6 +299,7 @@ def scaled_dot_product_attention(
     rng: np.random.Generator | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    implementation: str = "auto",
 ):
     r"""Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
 
@@ -343,6 +345,13 @@ def scaled_dot_product_attention(
         Also return the attention weights (before dropout).
     return_lse : bool, default False
         Also return the log-sum-exp of the scaled, masked scores of each query.
+    implementation : {"auto", "reference", "tiled"}, default "auto"
+        ``"reference"`` evaluates the formula as written, holding the ``(..., T, S)`` scores.
+        ``"tiled"`` is the memory-efficient path (the online softmax of FlashAttention-2, in
+        tiles, on all cores): it never forms the scores, so it cannot return the weights or
+        apply dropout. ``"auto"`` takes the tiled path when neither is requested and the
+        problem is large enough for it to be faster, otherwise the reference path. Both give
+        the same result up to rounding.
 
     Returns
     -------
@@ -361,7 +370,8 @@ def scaled_dot_product_attention(
     ValueError
         For inputs with fewer than 2 dimensions, mismatched ``Dk`` or ``S``, batch or mask
         shapes that do not broadcast, head counts that do not divide, a bad ``window``,
-        ``causal_alignment`` or ``dropout_p``.
+        ``causal_alignment``, ``dropout_p`` or ``implementation``, and for
+        ``implementation="tiled"`` together with ``return_weights`` or dropout.
 
     Notes
     -----
@@ -411,11 +421,27 @@ def scaled_dot_product_attention(
     ((2, 4, 5, 3), (2, 4, 5, 7))
     >>> bool(np.allclose(w.sum(-1), 1.0))
     True
+
+    The memory-efficient path gives the same result without forming the ``(T, S)`` weights:
+
+    >>> tiled = scaled_dot_product_attention(q, k, v, is_causal=True, implementation="tiled")
+    >>> bool(np.allclose(tiled, out, rtol=1e-12, atol=1e-12))
+    True
     """
     dropout_p = check_probability(dropout_p, "dropout_p")
+    if implementation not in ("auto", "reference", "tiled"):
+        raise ValueError(
+            f"implementation must be 'auto', 'reference' or 'tiled'; got {implementation!r}"
+        )
+    if implementation == "tiled" and (return_weights or dropout_p > 0.0):
+        raise ValueError(
+            "implementation='tiled' never forms the attention weights, so it supports neither "
+            f"return_weights=True nor dropout; got return_weights={return_weights}, "
+            f"dropout_p={dropout_p}"
+        )
     if dropout_p > 0.0:
-        if rng is None:
-            raise ValueError(
+        if rng is None:  # a missing generator is the wrong kind (None), as the docstring says
+            raise TypeError(
                 f"dropout_p={dropout_p} > 0 needs an explicit rng=np.random.default_rng(seed)"
             )
         check_rng(rng)
@@ -430,7 +456,15 @@ def scaled_dot_product_attention(
         causal_alignment=causal_alignment,
         window=window,
     )
-    out, weights, lse = attention_reference(problem, dropout_p, rng)
+    if implementation == "auto":
+        tiled = not return_weights and dropout_p == 0.0 and worth_tiling(problem)
+    else:
+        tiled = implementation == "tiled"
+    if tiled:
+        out, lse = attention_tiled(problem)
+        weights = None
+    else:
+        out, weights, lse = attention_reference(problem, dropout_p, rng)
     return _finish(problem, out, weights, lse, return_weights, return_lse)
 
 

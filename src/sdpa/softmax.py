@@ -196,11 +196,21 @@ def log_softmax(x: ArrayLike, axis: int = -1) -> np.ndarray:
     array([-20000.,      0.], dtype=float32)
     """
     arr, axis, out_dtype = _prepare(x, axis)
-    p, lse = softmax_and_lse(arr, axis)
+    if arr.shape[axis] == 0:
+        return arr.astype(out_dtype, copy=True)
+    # (x - m) - log(sum(exp(x - m))): subtracting the maximum first keeps the small differences
+    # exact; x - logsumexp(x) would lose them when |x| is large (float32 near 1e4).
+    m = np.max(arr, axis=axis, keepdims=True)
+    ordinary = np.isfinite(m)
     with np.errstate(invalid="ignore", divide="ignore"):
-        # -inf entries have probability zero: -inf exactly, also where lse is -inf too
-        # (slices entirely -inf), where the subtraction alone would give NaN.
-        out = np.where(np.isneginf(arr) & ~np.isnan(lse), -np.inf, arr - lse)
-        if np.isposinf(lse).any():  # slices holding +inf: log of the limit distribution
-            out = np.where(np.isposinf(lse), np.log(p), out)
+        z = np.where(ordinary, arr - np.where(ordinary, m, 0), arr.dtype.type(-np.inf))
+        out = z - np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
+        if not ordinary.all():  # slices entirely -inf, or holding +inf or NaN
+            p, lse = softmax_and_lse(arr, axis)
+            # -inf entries have probability zero: -inf exactly, also where lse is -inf too
+            # (slices entirely -inf), where the subtraction alone would give NaN.
+            special = np.where(np.isneginf(arr) & ~np.isnan(lse), -np.inf, arr - lse)
+            if np.isposinf(lse).any():  # slices holding +inf: log of the limit distribution
+                special = np.where(np.isposinf(lse), np.log(p), special)
+            out = np.where(ordinary, out, special)
     return out.astype(out_dtype, copy=False)

@@ -126,7 +126,7 @@ def softmax_vjp(weights: ArrayLike, d_weights: ArrayLike, axis: int = -1) -> np.
     >>> g = np.array([1.0, 0.0, 0.0])  # the gradient of L = p_0
     >>> d_x = softmax_vjp(softmax(x), g)
     >>> np.round(d_x, 3)
-    array([ 0.225, -0.159, -0.066])
+    array([ 0.225, -0.16 , -0.065])
     >>> bool(np.allclose(d_x, softmax_jacobian(x).T @ g))
     True
     >>> float(np.round(d_x.sum(), 12))

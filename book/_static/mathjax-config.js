@@ -1,0 +1,21 @@
+// MathJax 4 configuration of the sdpa book, loaded on every page before the deferred MathJax.
+// MathJax and its font are copied from the npm packages into _static/mathjax by conf.py, so
+// every formula renders with no network, over http and from file://.
+(function () {
+  // Keep what Sphinx extensions configured before us (myst-nb tells MathJax which classes hold maths).
+  const config = window.MathJax || {};
+  config.loader = config.loader || {};
+  // [mathjax] is the folder that tex-chtml.js was loaded from; the font sits beside it.
+  config.loader.paths = Object.assign({}, config.loader.paths, { fonts: "[mathjax]/fonts" });
+  config.output = Object.assign({ font: "mathjax-newcm" }, config.output);
+  config.options = config.options || {};
+
+  // Browsers refuse to start a Web Worker from a file:// page, and MathJax runs speech and
+  // braille in one: with them on, MathJax.startup.promise never resolves. Over http they stay on.
+  if (window.location.protocol === "file:") {
+    config.options.enableSpeech = false;
+    config.options.enableBraille = false;
+    config.options.menuOptions = { settings: { speech: false, braille: false } };
+  }
+  window.MathJax = config;
+})();

@@ -1,0 +1,497 @@
+r"""Memory-efficient attention: the forward pass of FlashAttention-2, in NumPy.
+
+The textbook formula materialises the ``(T, S)`` scores of every head. This module never does:
+it cuts the queries into blocks of ``Bq`` rows and the keys into blocks of ``Bk`` columns and,
+for one query block at a time, walks along its row of key blocks keeping only three small
+running quantities per query row (the *online softmax* of Milakov and Gimelshein, 2018, in
+the arrangement of Dao's FlashAttention-2):
+
+* ``m``, the largest score seen so far;
+* ``l``, the sum of ``exp(score - m)`` over the keys seen so far;
+* ``acc``, the sum of ``exp(score - m) * v`` over the keys seen so far.
+
+When a new block raises the maximum from ``m`` to ``m_new``, the old sums are rescaled by
+``alpha = exp(m - m_new)``; after the last block ``out = acc / l`` and ``lse = m + log(l)``.
+The result equals the formula up to rounding, and the extra memory is a few tiles per worker
+thread instead of ``T * S`` numbers per head.
+
+Three implementation details matter for speed on a CPU:
+
+* the row sums ``l`` come out of the second matrix product for free: each key block multiplies
+  the values with a column of ones appended (``[V | 1]``), so ``acc[:, Dv]`` is ``l``;
+* blocks entirely outside a causal or sliding-window band are never visited, and blocks
+  entirely inside it are not masked; only the blocks the band's edge crosses are masked;
+* independent work units (one query block of one head, with the query rows of all heads that
+  share a key/value head folded in, so each key tile is loaded once for the whole group) run in
+  a pool of worker threads while BLAS is held to one thread each (with ``threadpoolctl``):
+  NumPy releases the GIL inside matrix products and ufunc loops, so the threads run in
+  parallel. BLAS's own threading parallelises each small product badly.
+
+Shape letters: ``T`` queries, ``S`` keys, ``Dk``/``Dv`` head widths, ``Bq``/``Bk`` tile sizes,
+``F`` query heads folded into the rows of one tile (``G`` under grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["tile_map"]
+
+# Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 1 MiB L2 per core); see
+# benchmarks/tune.py. ``BLOCK_ROWS`` is the number of query rows per tile *after* folding the
+# heads of a group, so the tile of scores is at most BLOCK_ROWS x BLOCK_K.
+BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}
+BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 512}
+
+SKIPPED, PARTIAL, FULL = 0, 1, 2  # what the band does to a tile
+
+
+@dataclass
+class TileStats:
+    """Counters filled by :func:`attention_tiled` when asked (a test and teaching hook)."""
+
+    computed: int = 0  # tiles whose scores were computed
+    skipped_band: int = 0  # tiles never visited: entirely outside the causal/window band
+    skipped_mask: int = 0  # tiles dropped because the boolean mask disallows all of them
+    per_worker: list = field(default_factory=list)
+
+
+def _tile_kind(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> int:
+    """Classify the tile of queries ``t0:t1`` and keys ``s0:s1`` against the band."""
+    d_min = s0 - (t1 - 1 + offset)  # smallest j - (i + o) in the tile
+    d_max = (s1 - 1) - (t0 + offset)  # largest
+    if (hi is not None and d_min > hi) or (lo is not None and d_max < lo):
+        return SKIPPED
+    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi):
+        return FULL
+    return PARTIAL
+
+
+def _key_block_range(t0: int, t1: int, S: int, block_k: int, offset: int, lo, hi):
+    """Indices ``(first, stop)`` of the key blocks that the band allows for queries ``t0:t1``.
+
+    The rows of the band are intervals ``[i + o + lo, i + o + hi]`` that shift by one key per
+    query and never cross (``lo <= hi``), so their union over the block is one interval.
+    """
+    first_key = 0 if lo is None else max(0, t0 + offset + lo)
+    last_key = S - 1 if hi is None else min(S - 1, t1 - 1 + offset + hi)
+    if first_key > last_key:
+        return 0, 0
+    return first_key // block_k, last_key // block_k + 1
+
+
+def tile_map(
+    T: int,
+    S: int,
+    *,
+    block_q: int,
+    block_k: int,
+    is_causal: bool = False,
+    window=None,
+    causal_alignment: str = "top_left",
+) -> np.ndarray:
+    """Which tiles of the ``(T, S)`` score matrix the tiled path computes, and how.
+
+    Parameters
+    ----------
+    T, S : int
+        Number of queries and keys.
+    block_q, block_k : int
+        Tile sizes ``Bq`` (query rows) and ``Bk`` (key columns), positive.
+    is_causal, window, causal_alignment
+        The band, as in :func:`sdpa.scaled_dot_product_attention`.
+
+    Returns
+    -------
+    kinds : (ceil(T / Bq), ceil(S / Bk)) np.ndarray of int
+        ``0`` for a tile entirely outside the band (never computed), ``1`` for a tile the
+        band's edge crosses (computed, then masked), ``2`` for a tile entirely inside it
+        (computed, no mask).
+
+    Raises
+    ------
+    TypeError
+        If a size is not an integer.
+    ValueError
+        If a size is negative (tile sizes must be positive), or ``window`` or
+        ``causal_alignment`` is invalid.
+
+    Notes
+    -----
+    The classification is the one :func:`scaled_dot_product_attention` uses with
+    ``implementation="tiled"``, so the map shows exactly the work it skips. Tile ``(a, b)``
+    covers queries ``a*Bq : (a+1)*Bq`` and keys ``b*Bk : (b+1)*Bk``.
+
+    Examples
+    --------
+    A causal mask over 8 x 8 scores in 2 x 2 tiles: the diagonal tiles are masked, the six
+    above it are skipped, which is 6 of 16 tiles (4 of 10 would remain with larger T).
+
+    >>> from sdpa.tiled import tile_map
+    >>> tile_map(8, 8, block_q=2, block_k=2, is_causal=True)
+    array([[1, 0, 0, 0],
+           [2, 1, 0, 0],
+           [2, 2, 1, 0],
+           [2, 2, 2, 1]])
+    """
+    from ._checks import check_alignment, check_nonneg_int, check_window
+    from .masks import alignment_offset, band_limits
+
+    T = check_nonneg_int(T, "T")
+    S = check_nonneg_int(S, "S")
+    block_q = _check_block(block_q, "block_q")
+    block_k = _check_block(block_k, "block_k")
+    offset = alignment_offset(T, S, check_alignment(causal_alignment))
+    lo, hi = band_limits(bool(is_causal), check_window(window))
+    n_q, n_k = -(-T // block_q), -(-S // block_k)
+    kinds = np.zeros((n_q, n_k), dtype=int)
+    for a in range(n_q):
+        t0, t1 = a * block_q, min(T, (a + 1) * block_q)
+        first, stop = _key_block_range(t0, t1, S, block_k, offset, lo, hi)
+        for b in range(first, stop):
+            s0, s1 = b * block_k, min(S, (b + 1) * block_k)
+            kinds[a, b] = _tile_kind(t0, t1, s0, s1, offset, lo, hi)
+    return kinds
+
+
+def _check_block(value, name: str) -> int:
+    from ._checks import check_nonneg_int
+
+    value = check_nonneg_int(value, name)
+    if value == 0:
+        raise ValueError(f"{name} must be a positive integer; got 0")
+    return value
+
+
+# Below this many scores (summed over heads) the reference path is faster: the tiled path
+# pays for Python-level loops and thread hand-offs. Measured with benchmarks/tune.py.
+MIN_TILED_SCORES = 1 << 18
+
+
+def worth_tiling(problem) -> bool:
+    """Whether ``implementation="auto"`` should take the tiled path for this problem."""
+    n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
+    return n_scores >= MIN_TILED_SCORES
+
+
+# ----------------------------------------------------------------------------------------
+# Worker threads and BLAS threads
+# ----------------------------------------------------------------------------------------
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_controller = None
+
+
+def default_workers() -> int:
+    """Number of cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _get_pool(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool of worker threads, created on first use (threads idle on a queue)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < n:
+            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="sdpa-tiled")
+        return _pool
+
+
+def _single_threaded_blas():
+    """Hold BLAS to one thread for the duration of a call (no-op without threadpoolctl)."""
+    global _controller
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+        return contextlib.nullcontext()
+    with _pool_lock:
+        if _controller is None:
+            _controller = ThreadpoolController()  # inspecting the loaded libraries is slow: once
+    return _controller.limit(limits=1, user_api="blas")
+
+
+# ----------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """Everything a worker needs, as views shaped ``(*outer, F, ...)`` or ``(*outer, ...)``."""
+
+    q: np.ndarray  # (*outer, F, T, Dk)
+    k: np.ndarray  # (*outer, S, Dk), 2-D slices C-contiguous
+    v1: np.ndarray  # (*outer, S, Dv + 1): values with a column of ones
+    allowed: np.ndarray | None  # (*outer, F, T, S) bool view, or None
+    bias: np.ndarray | None  # (*outer, F, T, S) view, or None
+    out: np.ndarray  # (*outer, F, T, Dv), written by the workers
+    lse: np.ndarray  # (*outer, F, T)
+    scale: float
+    offset: int
+    lo: int | None
+    hi: int | None
+    T: int
+    S: int
+    Dk: int
+    Dv: int
+    F: int
+    block_q: int
+    block_k: int
+    dtype: np.dtype
+
+
+def _fold_axis(problem) -> bool:
+    """Fold the last batch axis into the query rows when keys and values do not vary along it."""
+    bs = problem.batch_shape
+    if not bs or bs[-1] <= 1:
+        return False
+    nb = len(bs)
+    for a in (problem.key, problem.value):
+        lead = a.shape[:-2]
+        if len(lead) >= 1 and len(lead) == nb and lead[-1] != 1:
+            return False
+        if len(lead) > nb:  # pragma: no cover - impossible: batch_shape broadcasts them
+            return False
+        if len(lead) < nb:
+            continue  # the axis is absent: broadcast
+    return True
+
+
+def _make_plan(problem, block_q, block_k) -> _Plan:
+    T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
+    dtype = problem.work_dtype
+    bs = problem.batch_shape
+    fold = _fold_axis(problem)
+    if fold:
+        outer, F = bs[:-1], bs[-1]
+    else:
+        outer, F = bs, 1
+
+    def rows_view(a, last):  # broadcast a (..., T, last) array to (*outer, F, T, last)
+        full = np.broadcast_to(a, (*bs, T, last))
+        return full if fold else full[..., None, :, :]
+
+    def keys_view(a, last):  # broadcast a (..., S, last) array to (*outer, S, last)
+        if fold:
+            return np.broadcast_to(a, (*outer, 1, S, last))[..., 0, :, :]
+        return np.broadcast_to(a, (*bs, S, last))
+
+    key = np.ascontiguousarray(problem.key)
+    v1 = np.empty((*problem.value.shape[:-1], Dv + 1), dtype=dtype)
+    v1[..., :Dv] = problem.value
+    v1[..., Dv] = 1
+    allowed = bias = None
+    if problem.allowed is not None:
+        allowed = rows_view(problem.allowed, S)
+    if problem.bias is not None:
+        bias = rows_view(problem.bias, S)
+    if block_q is None:
+        block_q = max(1, BLOCK_ROWS.get(dtype, 128) // F)
+    if block_k is None:
+        block_k = BLOCK_K.get(dtype, 512)
+    lo, hi = problem.band
+    return _Plan(
+        q=rows_view(problem.query, Dk),
+        k=keys_view(key, Dk),
+        v1=keys_view(v1, Dv + 1),
+        allowed=allowed,
+        bias=bias,
+        out=np.empty((*outer, F, T, Dv), dtype=dtype),
+        lse=np.empty((*outer, F, T), dtype=dtype),
+        scale=problem.scale,
+        offset=problem.offset,
+        lo=lo,
+        hi=hi,
+        T=T,
+        S=S,
+        Dk=Dk,
+        Dv=Dv,
+        F=F,
+        block_q=int(block_q),
+        block_k=int(block_k),
+        dtype=dtype,
+    )
+
+
+class _Worker:
+    """One thread's scratch tiles, allocated once and reused for every work unit it takes."""
+
+    def __init__(self, plan: _Plan):
+        p = plan
+        rows = p.F * p.block_q
+        bk = min(p.block_k, p.S)
+        self.plan = p
+        self.q = np.empty(rows * p.Dk, dtype=p.dtype)
+        self.s = np.empty(rows * bk, dtype=p.dtype)  # scores, then exp(scores - m), in place
+        self.pv = np.empty(rows * (p.Dv + 1), dtype=p.dtype)
+        self.acc = np.empty(rows * (p.Dv + 1), dtype=p.dtype)
+        self.m = np.empty(rows, dtype=p.dtype)
+        self.m_new = np.empty(rows, dtype=p.dtype)
+        self.alpha = np.empty(rows, dtype=p.dtype)
+        self.masked = np.empty(rows * bk, dtype=bool) if p.allowed is not None else None
+        self.band_cache: dict = {}
+        self.computed = 0
+        self.skipped_mask = 0
+        self.lowest = -np.finfo(p.dtype).max
+
+    def band_masked(self, t0, t1, s0, s1):
+        """Boolean (t1-t0, s1-s0) tile, True where the band *disallows*; cached by geometry."""
+        p = self.plan
+        key = (s0 - t0, t1 - t0, s1 - s0)
+        tile = self.band_cache.get(key)
+        if tile is None:
+            diff = np.arange(s0, s1)[None, :] - (np.arange(t0, t1)[:, None] + p.offset)
+            tile = np.zeros(diff.shape, dtype=bool)
+            if p.lo is not None:
+                tile |= diff < p.lo
+            if p.hi is not None:
+                tile |= diff > p.hi
+            if len(self.band_cache) > 64:
+                self.band_cache.clear()
+            self.band_cache[key] = tile
+        return tile
+
+    def run(self, o: tuple, t0: int, t1: int) -> None:
+        """Attention for the query rows ``t0:t1`` of every folded head at outer index ``o``."""
+        p = self.plan
+        F, Dk, Dv, bq = p.F, p.Dk, p.Dv, t1 - t0
+        rows = F * bq
+        # (F, bq, Dk) -> (F*bq, Dk): the folded heads' query rows, scaled once.
+        q = self.q[: rows * Dk].reshape(rows, Dk)
+        np.multiply(p.q[o][:, t0:t1, :], p.scale, out=q.reshape(F, bq, Dk))
+        keys, v1 = p.k[o], p.v1[o]  # (S, Dk), (S, Dv + 1)
+        allowed = None if p.allowed is None else p.allowed[o]
+        bias = None if p.bias is None else p.bias[o]
+        may_mask = allowed is not None or bias is not None or p.lo is not None or p.hi is not None
+        m, m_new, alpha = self.m[:rows], self.m_new[:rows], self.alpha[:rows]
+        acc = self.acc[: rows * (Dv + 1)].reshape(rows, Dv + 1)
+        pv = self.pv[: rows * (Dv + 1)].reshape(rows, Dv + 1)
+        m.fill(-np.inf)
+        acc.fill(0)
+        first, stop = _key_block_range(t0, t1, p.S, p.block_k, p.offset, p.lo, p.hi)
+        for b in range(first, stop):
+            s0, s1 = b * p.block_k, min(p.S, (b + 1) * p.block_k)
+            bk = s1 - s0
+            kind = _tile_kind(t0, t1, s0, s1, p.offset, p.lo, p.hi)
+            assert kind != SKIPPED, "the key-block range holds only tiles the band touches"
+            masked = None
+            if allowed is not None:
+                masked = self.masked[: rows * bk].reshape(F, bq, bk)
+                np.logical_not(allowed[:, t0:t1, s0:s1], out=masked)
+                if kind == PARTIAL:
+                    np.logical_or(masked, self.band_masked(t0, t1, s0, s1), out=masked)
+                if masked.all():  # the user's mask disallows the whole tile
+                    self.skipped_mask += 1
+                    continue
+            elif kind == PARTIAL:
+                masked = self.band_masked(t0, t1, s0, s1)
+            self.computed += 1
+            s = self.s[: rows * bk].reshape(rows, bk)
+            np.matmul(q, keys[s0:s1].T, out=s)  # (rows, Dk) @ (Dk, bk) -> (rows, bk)
+            if bias is not None:
+                s3 = s.reshape(F, bq, bk)
+                np.add(s3, bias[:, t0:t1, s0:s1], out=s3)
+            if masked is not None:
+                np.copyto(s.reshape(F, bq, bk), -np.inf, where=masked)
+            np.max(s, axis=1, out=m_new)
+            np.maximum(m_new, m, out=m_new)
+            if may_mask:
+                # A row with no allowed key yet has m_new = -inf; shift it by the lowest finite
+                # number instead, so exp(-inf - shift) = 0 rather than exp(nan).
+                np.maximum(m_new, self.lowest, out=m_new)
+            np.subtract(m, m_new, out=alpha)  # <= 0; -inf on a row's first block
+            np.exp(alpha, out=alpha)  # rescaling of the old sums
+            np.subtract(s, m_new[:, None], out=s)
+            np.exp(s, out=s)  # p = exp(scores - m_new), in [0, 1]
+            np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Dv+1) -> (rows, Dv+1)
+            acc *= alpha[:, None]
+            acc += pv  # acc[:, :Dv] = sum p v;  acc[:, Dv] = l = sum p
+            m, m_new = m_new, m
+        # out = acc / l and lse = m + log l; rows that saw no allowed key have l = 0.
+        ell = acc[:, Dv]
+        seen = ell > 0
+        inv = self.alpha[:rows]
+        inv.fill(0)
+        np.divide(1, ell, out=inv, where=seen)
+        out = p.out[o][:, t0:t1, :]  # (F, bq, Dv) view of the result
+        np.multiply(acc[:, :Dv].reshape(F, bq, Dv), inv.reshape(F, bq, 1), out=out)
+        lse = p.lse[o][:, t0:t1].reshape(rows) if F == 1 else np.empty(rows, dtype=p.dtype)
+        lse.fill(-np.inf)
+        np.log(ell, out=lse, where=seen)
+        np.add(lse, m, out=lse, where=seen)
+        if F > 1:
+            p.lse[o][:, t0:t1] = lse.reshape(F, bq)
+
+    def drain(self, units, counter) -> None:
+        """Take units from the shared list until it is empty."""
+        with np.errstate(all="ignore"):
+            # Errors cannot arise here except in the deliberate -inf arithmetic above:
+            # exp(-inf) = 0 and log(0) never reached (masked by ``where``).
+            while True:
+                i = next(counter)
+                if i >= len(units):
+                    return
+                self.run(*units[i])
+
+
+def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=None):
+    """The online-softmax tiled path on a prepared problem; returns ``(out, lse)``.
+
+    ``out`` has the shape ``(*problem.batch_shape, T, Dv)`` and ``lse`` ``(*batch_shape, T)``,
+    both in ``problem.work_dtype`` (the caller casts and ungroups, as for
+    :func:`sdpa.attention.attention_reference`). ``block_q`` is the number of query positions
+    per tile (default: chosen so that a tile holds about ``BLOCK_ROWS`` rows after folding the
+    heads of a group), ``block_k`` the number of keys; ``workers`` the number of threads
+    (default: the cores available). ``stats``, a :class:`TileStats`, receives tile counts.
+    """
+    if block_q is not None:
+        block_q = _check_block(block_q, "block_q")
+    if block_k is not None:
+        block_k = _check_block(block_k, "block_k")
+    T, S, Dv = problem.T, problem.S, problem.Dv
+    dtype = problem.work_dtype
+    if S == 0 or T == 0 or 0 in problem.batch_shape:
+        out = np.zeros((*problem.batch_shape, T, Dv), dtype=dtype)
+        lse = np.full((*problem.batch_shape, T), -np.inf, dtype=dtype)
+        return out, lse
+    plan = _make_plan(problem, block_q, block_k)
+    outer = plan.out.shape[:-3]
+    n_q = -(-T // plan.block_q)
+    units = []
+    for a in range(n_q):
+        t0, t1 = a * plan.block_q, min(T, (a + 1) * plan.block_q)
+        first, stop = _key_block_range(t0, t1, S, plan.block_k, plan.offset, plan.lo, plan.hi)
+        units.extend((stop - first, o, t0, t1) for o in np.ndindex(*outer))
+    # Longest first, so the last units to finish are short ones (causal rows vary in length).
+    units.sort(key=lambda u: -u[0])
+    work = [u[1:] for u in units]
+    n_workers = min(workers or default_workers(), len(work))
+    counter = itertools.count()
+    workers_ = [_Worker(plan) for _ in range(max(1, n_workers))]
+    if n_workers <= 1:
+        workers_[0].drain(work, counter)
+    else:
+        with _single_threaded_blas():
+            pool = _get_pool(n_workers)
+            futures = [pool.submit(w.drain, work, counter) for w in workers_]
+            for f in futures:
+                f.result()
+    if stats is not None:
+        n_k = -(-S // plan.block_k)
+        total = n_q * n_k * int(np.prod(outer, dtype=np.int64))
+        stats.computed += sum(w.computed for w in workers_)
+        stats.skipped_mask += sum(w.skipped_mask for w in workers_)
+        stats.skipped_band += total - sum(u[0] for u in units)
+        stats.per_worker.append([w.computed for w in workers_])
+    bs = problem.batch_shape
+    return plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)

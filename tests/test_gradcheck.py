@@ -1,0 +1,128 @@
+"""The finite-difference gradient checker, on functions whose gradients are known by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sdpa import gradcheck, numerical_gradient
+
+
+def test_numerical_gradient_of_known_functions(rng):
+    x = rng.standard_normal((3, 4))
+    (g,) = numerical_gradient(lambda a: np.sum(np.sin(a)), (x,))
+    np.testing.assert_allclose(g, np.cos(x), rtol=1e-8, atol=1e-10)
+    a, b = rng.standard_normal((2, 3)), rng.standard_normal((3, 4))
+    c = rng.standard_normal((2, 4))
+    g_a, g_b = numerical_gradient(np.matmul, (a, b), c)  # L = sum(c * (a @ b))
+    np.testing.assert_allclose(g_a, c @ b.T, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(g_b, a.T @ c, rtol=1e-8, atol=1e-10)
+
+
+def test_scalar_output_and_argnums(rng):
+    x, y = rng.standard_normal(3), rng.standard_normal(3)
+    (g_y,) = numerical_gradient(lambda a, b: float(a @ b), (x, y), argnums=1)
+    np.testing.assert_allclose(g_y, x, rtol=1e-9)
+    (g_x,) = numerical_gradient(lambda a, b: float(a @ b), (x, y), argnums=[-2])
+    np.testing.assert_allclose(g_x, x * 0 + y, rtol=1e-9)
+
+
+def test_truncation_error_shrinks_as_eps_squared():
+    # For f = x^3 the central difference is 3 x^2 + eps^2 exactly: the error is eps^2.
+    x = np.array([1.5])
+    for eps in (1e-1, 1e-2):
+        (g,) = numerical_gradient(lambda a: np.sum(a**3), (x,), eps=eps)
+        np.testing.assert_allclose(g - 3 * x**2, eps**2, rtol=1e-6)
+
+
+def test_integer_and_float32_arguments_are_differentiated_in_float64():
+    seen = []
+
+    def f(a):
+        seen.append(a.dtype)
+        return np.sum(a**2)
+
+    (g,) = numerical_gradient(f, ([1, 2],))
+    np.testing.assert_allclose(g, [2.0, 4.0], rtol=1e-9)
+    (g,) = numerical_gradient(f, (np.array([1.0], dtype=np.float32),))
+    assert g.dtype == np.float64 and set(seen) == {np.dtype(np.float64)}
+
+
+def test_inputs_are_not_modified(rng):
+    x = rng.standard_normal(4)
+    x.flags.writeable = False
+    before = x.copy()
+    numerical_gradient(lambda a: np.sum(a**2), (x,))
+    np.testing.assert_array_equal(x, before)
+
+
+def test_gradcheck_accepts_a_correct_vjp_and_rejects_a_wrong_one(rng):
+    x, w = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+
+    def f(x_, w_):
+        return np.tanh(x_ @ w_)
+
+    def vjp(d, x_, w_):
+        dz = d * (1 - np.tanh(x_ @ w_) ** 2)
+        return dz @ w_.T, x_.T @ dz
+
+    def off_by_a_little(d, x_, w_):
+        g_x, g_w = vjp(d, x_, w_)
+        return g_x, g_w * (1 + 1e-4)
+
+    assert gradcheck(f, vjp, (x, w)) is True
+    assert gradcheck(f, off_by_a_little, (x, w), raise_exception=False) is False
+    with pytest.raises(AssertionError, match=r"gradcheck failed .*\nargument 1: 8 of 8 entries differ"):
+        gradcheck(f, off_by_a_little, (x, w))
+    assert gradcheck(f, lambda d, x_, w_: vjp(d, x_, w_)[1], (x, w), argnums=1)  # a single array
+
+
+def test_gradcheck_catches_an_error_that_a_cotangent_of_ones_hides(rng):
+    # f(x) = x - mean(x) has sum(f) = 0 for every x, so with d_out = ones both the true
+    # gradient and the wrong one below are zero; the random default cotangent tells them apart.
+    x = rng.standard_normal(5)
+
+    def f(a):
+        return a - a.mean()
+
+    def wrong(d, a):
+        return (np.zeros_like(a),)
+
+    assert gradcheck(f, wrong, (x,), d_out=np.ones(5))
+    assert not gradcheck(f, wrong, (x,), raise_exception=False)
+
+
+def test_gradcheck_reports_nan_as_a_failure(rng):
+    x = rng.standard_normal(3)
+    ok = gradcheck(lambda a: a**2, lambda d, a: (np.full(3, np.nan),), (x,), raise_exception=False)
+    assert ok is False
+
+
+def test_errors(rng):
+    x = rng.standard_normal(3)
+    with pytest.raises(TypeError, match="f must be callable; got int"):
+        numerical_gradient(3, (x,))
+    with pytest.raises(TypeError, match="args must be a tuple or list of arrays, e.g. \\(x,\\)"):
+        numerical_gradient(np.sum, x)
+    with pytest.raises(TypeError, match=r"args\[0\] must be a real array; got dtype complex128"):
+        numerical_gradient(np.sum, (x + 1j,))
+    with pytest.raises(ValueError, match="eps must be a positive finite number; got 0.0"):
+        numerical_gradient(np.sum, (x,), eps=0.0)
+    with pytest.raises(TypeError, match="eps must be a positive real number; got '1e-6'"):
+        numerical_gradient(np.sum, (x,), eps="1e-6")
+    with pytest.raises(ValueError, match="argnums entry 1 is out of range for 1 argument"):
+        numerical_gradient(np.sum, (x,), argnums=1)
+    with pytest.raises(TypeError, match="argnums must be an int or a sequence of ints"):
+        numerical_gradient(np.sum, (x,), argnums=0.5)
+    with pytest.raises(ValueError, match=r"d_out must have the shape of f's result, \(3,\); got d_out.shape=\(2,\)"):
+        numerical_gradient(lambda a: a, (x,), np.ones(2))
+    with pytest.raises(TypeError, match="vjp must be callable"):
+        gradcheck(np.sum, None, (x,))
+    with pytest.raises(ValueError, match=r"vjp must return one gradient per checked argument \(1\); got 2"):
+        gradcheck(lambda a: a, lambda d, a: (d, d), (x,))
+    with pytest.raises(ValueError, match=r"vjp's gradient for argument 0 must have that argument's shape \(3,\); got shape \(2,\)"):
+        gradcheck(lambda a: a, lambda d, a: (d[:2],), (x,))
+    with pytest.raises(ValueError, match="atol must be a non-negative real number; got -1"):
+        gradcheck(lambda a: a, lambda d, a: (d,), (x,), atol=-1)
+    with pytest.raises(TypeError, match="rng must be a numpy.random.Generator; got int"):
+        gradcheck(lambda a: a, lambda d, a: (d,), (x,), rng=0)

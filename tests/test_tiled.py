@@ -1,0 +1,403 @@
+"""The tiled (memory-efficient) path against the reference formula.
+
+The reference path is itself checked against PyTorch and hand-computed values in
+test_attention.py and test_torch_conformance.py; here every feature of the tiled path must
+agree with it to rounding, for tile sizes that divide nothing, tiles of one element and tiles
+larger than the whole problem. Tile skipping is checked against masks built independently
+with the public mask helpers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sdpa
+import sdpa.attention as attention_module
+from sdpa import causal_mask, scaled_dot_product_attention, sliding_window_mask
+from sdpa.attention import _finish, prepare_attention
+from sdpa.tiled import TileStats, attention_tiled, tile_map
+
+TOL = {
+    np.float64: dict(rtol=1e-12, atol=1e-12),
+    np.float32: dict(rtol=1e-5, atol=1e-6),
+    np.float16: dict(rtol=2e-3, atol=2e-3),
+}
+B, H, T, S, DK, DV = 2, 3, 13, 11, 6, 5  # every size different, none a multiple of another
+
+
+def normal(rng, shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def qkv(rng, dtype=np.float64, *, t=T, s=S, hq=H, hkv=H, dk=DK, dv=DV):
+    return (
+        normal(rng, (B, hq, t, dk), dtype),
+        normal(rng, (B, hkv, s, dk), dtype),
+        normal(rng, (B, hkv, s, dv), dtype),
+    )
+
+
+def tiled(q, k, v, attn_mask=None, is_causal=False, *, block_q, block_k, workers=None,
+          stats=None, **kwargs):
+    """The tiled path with chosen tile sizes; returns ``(out, lse)`` shaped as the public API."""
+    problem = prepare_attention(q, k, v, attn_mask, is_causal, **kwargs)
+    out, lse = attention_tiled(
+        problem, block_q=block_q, block_k=block_k, workers=workers, stats=stats
+    )
+    return _finish(problem, out, None, lse, False, True)
+
+
+def reference(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+    return scaled_dot_product_attention(
+        q, k, v, attn_mask, 0.0, is_causal, implementation="reference", return_lse=True, **kwargs
+    )
+
+
+def assert_same(got, want, dtype=np.float64):
+    out, lse = got
+    out_ref, lse_ref = want
+    assert out.dtype == out_ref.dtype and out.shape == out_ref.shape
+    assert lse.dtype == lse_ref.dtype and lse.shape == lse_ref.shape
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, out_ref, **TOL[dtype])
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    np.testing.assert_allclose(lse, lse_ref, **TOL[dtype])
+
+
+BLOCKS = [(1, 1), (3, 5), (4, 2), (5, 7), (64, 64), (13, 11), (2, 100)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("block_q, block_k", BLOCKS)
+def test_tile_sizes_match_reference(rng, dtype, block_q, block_k):
+    q, k, v = qkv(rng, dtype)
+    got = tiled(q, k, v, block_q=block_q, block_k=block_k)
+    assert_same(got, reference(q, k, v), dtype)
+
+
+@pytest.mark.parametrize("block_q, block_k", BLOCKS)
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("t, s", [(T, S), (S, T), (7, 7)])
+def test_causal_both_alignments(rng, block_q, block_k, alignment, t, s):
+    # With T > S and top-left... every row has a key; bottom-right with T > S leaves the first
+    # T - S rows without any key: out 0, lse -inf.
+    q, k, v = qkv(rng, t=t, s=s)
+    kw = dict(causal_alignment=alignment)
+    got = tiled(q, k, v, None, True, block_q=block_q, block_k=block_k, **kw)
+    assert_same(got, reference(q, k, v, None, True, **kw))
+
+
+WINDOWS = [(0, 0), (2, 0), (1, 3), (None, 1), (3, None), (20, 20)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_windows(rng, window, is_causal, alignment):
+    q, k, v = qkv(rng)
+    kw = dict(window=window, causal_alignment=alignment)
+    for block_q, block_k in [(1, 1), (3, 2), (4, 5)]:
+        got = tiled(q, k, v, None, is_causal, block_q=block_q, block_k=block_k, **kw)
+        assert_same(got, reference(q, k, v, None, is_causal, **kw))
+
+
+MASK_SHAPES = [(S,), (T, S), (1, S), (H, 1, S), (H, T, S), (B, 1, 1, S), (B, 1, T, S),
+               (B, H, 1, S), (B, H, T, S), (1, 1, T, 1)]
+
+
+@pytest.mark.parametrize("shape", MASK_SHAPES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_every_mask_shape(rng, shape, kind):
+    q, k, v = qkv(rng)
+    if kind == "bool":
+        mask = rng.random(shape) < 0.6
+    else:
+        mask = normal(rng, shape)
+        mask[rng.random(shape) < 0.3] = -np.inf
+    for is_causal in (False, True):
+        for block_q, block_k in [(1, 1), (4, 3), (64, 64)]:
+            got = tiled(q, k, v, mask, is_causal, block_q=block_q, block_k=block_k)
+            assert_same(got, reference(q, k, v, mask, is_causal))
+
+
+def test_rows_fully_masked_inside_some_tiles(rng):
+    # Keys come in tiles of 4: 0-3, 4-7, 8-10. Row 0 may see key 9 only (its first two tiles
+    # are entirely masked for it, while other rows of the same tiles are not), row 1 only key 0
+    # (masked in the later tiles), row 2 nothing at all (out 0, lse -inf), row 3 keys 3 and 4
+    # (one key on each side of a tile boundary).
+    q, k, v = qkv(rng)
+    mask = rng.random((T, S)) < 0.5
+    mask[0] = False
+    mask[0, 9] = True
+    mask[1] = False
+    mask[1, 0] = True
+    mask[2] = False
+    mask[3] = False
+    mask[3, [3, 4]] = True
+    want = reference(q, k, v, mask)
+    for block_q, block_k in [(1, 4), (3, 4), (T, 4), (2, 1)]:
+        got = tiled(q, k, v, mask, block_q=block_q, block_k=block_k)
+        assert_same(got, want)
+    out, lse = got
+    np.testing.assert_array_equal(out[..., 2, :], 0.0)
+    np.testing.assert_array_equal(lse[..., 2], -np.inf)
+    # Row 0 attends key 9 alone: its output is value 9, its lse the scaled score of key 9.
+    np.testing.assert_allclose(out[..., 0, :], v[..., 9, :], rtol=1e-12, atol=1e-12)
+    score = np.einsum("bhd,bhd->bh", q[..., 0, :], k[..., 9, :]) / np.sqrt(DK)
+    np.testing.assert_allclose(lse[..., 0], score, rtol=1e-12)
+
+
+def test_float_bias_with_minus_inf_and_large_values(rng):
+    # A bias whose rows are -inf in whole tiles, and float32 scores around 1e4: no overflow,
+    # no NaN, no warning (pytest turns warnings into errors).
+    q, k, v = qkv(rng, np.float32)
+    q *= 300.0
+    bias = np.zeros((T, S), dtype=np.float32)
+    bias[:, :6] = -np.inf
+    bias[5] = -np.inf
+    got = tiled(q, k, v, bias, block_q=3, block_k=3)
+    assert_same(got, reference(q, k, v, bias), np.float32)
+    assert np.isneginf(got[1][..., 5]).all()
+
+
+@pytest.mark.parametrize("hkv", [1, 3])
+@pytest.mark.parametrize("mask_shape", [None, (6, T, S), (B, 6, 1, S), (1, S)])
+def test_grouped_query_attention(rng, hkv, mask_shape):
+    q, k, v = qkv(rng, hq=6, hkv=hkv)
+    mask = None if mask_shape is None else rng.random(mask_shape) < 0.7
+    for is_causal in (False, True):
+        for block_q, block_k in [(1, 1), (4, 3), (32, 32)]:
+            kw = dict(enable_gqa=True)
+            got = tiled(q, k, v, mask, is_causal, block_q=block_q, block_k=block_k, **kw)
+            assert_same(got, reference(q, k, v, mask, is_causal, **kw))
+
+
+def test_broadcast_heads_and_batch(rng):
+    # Without enable_gqa: one key/value head broadcast to every query head (multi-query
+    # attention), and a batch axis of size one in the queries.
+    q = normal(rng, (1, 4, T, DK))
+    k = normal(rng, (B, 1, S, DK))
+    v = normal(rng, (B, 1, S, DV))
+    for block_q, block_k in [(2, 3), (64, 64)]:
+        got = tiled(q, k, v, None, True, block_q=block_q, block_k=block_k)
+        assert_same(got, reference(q, k, v, None, True))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_dtypes_are_preserved(rng, dtype):
+    q, k, v = qkv(rng, dtype)
+    got = tiled(q, k, v, None, True, block_q=4, block_k=3)
+    assert got[0].dtype == dtype and got[1].dtype == dtype
+    assert_same(got, reference(q, k, v, None, True), dtype)
+
+
+def test_integer_and_mixed_inputs(rng):
+    q = rng.integers(-3, 4, (T, DK))
+    k = rng.integers(-3, 4, (S, DK))
+    v = rng.integers(-3, 4, (S, DV))
+    got = tiled(q, k, v, block_q=4, block_k=3)
+    assert got[0].dtype == np.float64
+    assert_same(got, reference(q, k, v))
+    q32 = q.astype(np.float32)
+    got = tiled(q32, k.astype(np.float64), v.astype(np.float32), block_q=4, block_k=3)
+    assert got[0].dtype == np.float64
+    assert_same(got, reference(q32, k.astype(np.float64), v.astype(np.float32)))
+
+
+@pytest.mark.parametrize(
+    "t, s, dk, dv", [(0, S, DK, DV), (T, 0, DK, DV), (T, S, 0, DV), (T, S, DK, 0), (1, 1, 1, 1)]
+)
+def test_empty_sizes(rng, t, s, dk, dv):
+    q, k, v = qkv(rng, t=t, s=s, dk=dk, dv=dv)
+    got = tiled(q, k, v, None, False, block_q=4, block_k=3)
+    want = reference(q, k, v)
+    assert_same(got, want)
+    if s == 0:
+        np.testing.assert_array_equal(got[0], 0.0)
+        np.testing.assert_array_equal(got[1], -np.inf)
+
+
+def test_empty_batch(rng):
+    q, k, v = (np.zeros((0, H, T, DK)), np.zeros((0, H, S, DK)), np.zeros((0, H, S, DV)))
+    out, lse = tiled(q, k, v, block_q=4, block_k=3)
+    assert out.shape == (0, H, T, DV) and lse.shape == (0, H, T)
+
+
+def test_nan_in_a_masked_out_key_does_not_spread(rng):
+    q, k, v = qkv(rng)
+    k[..., S - 1, :] = np.nan
+    mask = np.arange(S) < S - 1
+    out, lse = tiled(q, k, v, mask, block_q=4, block_k=3)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert_same((out, lse), reference(q, k, v, mask))
+
+
+def test_workers_give_identical_results(rng):
+    # Work units are independent, so the result does not depend on the number of threads,
+    # not even in the last bit.
+    q, k, v = qkv(rng, np.float32, t=150, s=140)
+    one = tiled(q, k, v, None, True, block_q=8, block_k=16, workers=1)
+    two = tiled(q, k, v, None, True, block_q=8, block_k=16, workers=2)
+    three = tiled(q, k, v, None, True, block_q=8, block_k=16, workers=3)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(one, three):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_inputs_are_not_modified_and_views_work(rng):
+    q, k, v = qkv(rng)
+    kt = np.ascontiguousarray(np.swapaxes(k, -1, -2))
+    k_view = np.swapaxes(kt, -1, -2)  # non-contiguous
+    q_view = q[..., ::-1, :]
+    for a in (q, kt, v):
+        a.flags.writeable = False
+    copies = [a.copy() for a in (q, kt, v)]
+    got = tiled(q_view, k_view, v, None, True, block_q=4, block_k=3)
+    assert_same(got, reference(q_view, k_view, v, None, True))
+    for a, c in zip((q, kt, v), copies):
+        np.testing.assert_array_equal(a, c)
+
+
+# -- tiles that are skipped ------------------------------------------------------------------
+
+
+def band_touches(mask, block_q, block_k):
+    """Independent count: tiles of a (T, S) bool mask that hold at least one True."""
+    t, s = mask.shape
+    n = 0
+    for a in range(0, t, block_q):
+        for b in range(0, s, block_k):
+            n += bool(mask[a : a + block_q, b : b + block_k].any())
+    return n
+
+
+@pytest.mark.parametrize(
+    "t, s, is_causal, window, alignment",
+    [
+        (64, 64, True, None, "top_left"),
+        (40, 64, True, None, "bottom_right"),
+        (64, 40, True, None, "top_left"),
+        (64, 64, False, (8, 0), "top_left"),
+        (64, 64, False, (5, 9), "bottom_right"),
+        (50, 70, True, (16, None), "top_left"),
+    ],
+)
+@pytest.mark.parametrize("block_q, block_k", [(8, 8), (5, 7), (16, 4)])
+def test_tiles_outside_the_band_are_skipped(rng, t, s, is_causal, window, alignment,
+                                            block_q, block_k):
+    if window is None:
+        band = causal_mask(t, s, alignment=alignment)
+    else:
+        band = sliding_window_mask(t, s, window, alignment=alignment)
+        if is_causal:
+            band &= causal_mask(t, s, alignment=alignment)
+    q, k, v = (normal(rng, (t, DK)), normal(rng, (s, DK)), normal(rng, (s, DV)))
+    stats = TileStats()
+    kw = dict(window=window, causal_alignment=alignment)
+    got = tiled(q, k, v, None, is_causal, block_q=block_q, block_k=block_k, stats=stats, **kw)
+    assert_same(got, reference(q, k, v, None, is_causal, **kw))
+    n_tiles = -(-t // block_q) * -(-s // block_k)
+    assert stats.computed == band_touches(band, block_q, block_k)
+    assert stats.skipped_band == n_tiles - stats.computed
+    assert stats.skipped_band > 0
+    # The public map agrees: 0 where the band is empty, 2 where it is full, 1 in between.
+    kinds = tile_map(t, s, block_q=block_q, block_k=block_k, is_causal=is_causal, **kw)
+    for a in range(kinds.shape[0]):
+        for b in range(kinds.shape[1]):
+            tile = band[a * block_q : (a + 1) * block_q, b * block_k : (b + 1) * block_k]
+            expected = 2 if tile.all() else (1 if tile.any() else 0)
+            assert kinds[a, b] == expected, (a, b)
+
+
+def test_tiles_a_padding_mask_disallows_are_skipped(rng):
+    # Sequence 0 has 5 real keys out of 16, sequence 1 all 16: with tiles of 4 keys, two of
+    # sequence 0's four key tiles hold only padding and are dropped.
+    q, k, v = (normal(rng, (2, 1, 8, DK)), normal(rng, (2, 1, 16, DK)), normal(rng, (2, 1, 16, DV)))
+    mask = sdpa.padding_mask([5, 16], 16)
+    stats = TileStats()
+    got = tiled(q, k, v, mask, block_q=8, block_k=4, stats=stats)
+    assert_same(got, reference(q, k, v, mask))
+    assert stats.skipped_mask == 2
+    assert stats.computed == 8 - 2
+
+
+def test_tile_map_errors():
+    with pytest.raises(ValueError, match="block_q must be a positive integer; got 0"):
+        tile_map(4, 4, block_q=0, block_k=2)
+    with pytest.raises(TypeError, match="block_k must be a non-negative integer"):
+        tile_map(4, 4, block_q=2, block_k=2.5)
+
+
+# -- the dispatcher -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Count calls of the tiled path made by scaled_dot_product_attention."""
+    calls = []
+    real = attention_module.attention_tiled
+
+    def counting(problem, **kwargs):
+        calls.append(problem.scores_shape)
+        return real(problem, **kwargs)
+
+    monkeypatch.setattr(attention_module, "attention_tiled", counting)
+    return calls
+
+
+def test_auto_takes_the_tiled_path_for_large_problems(rng, spy):
+    q = normal(rng, (1, 2, 512, 16), np.float32)
+    out = scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert spy == [(1, 2, 512, 512)]
+    ref = scaled_dot_product_attention(q, q, q, is_causal=True, implementation="reference")
+    np.testing.assert_allclose(out, ref, **TOL[np.float32])
+    assert len(spy) == 1
+
+
+def test_auto_keeps_the_reference_path_for_weights_dropout_and_small_problems(rng, spy):
+    q = normal(rng, (1, 2, 512, 16), np.float32)
+    scaled_dot_product_attention(q, q, q, return_weights=True)
+    scaled_dot_product_attention(q, q, q, dropout_p=0.1, rng=np.random.default_rng(0))
+    scaled_dot_product_attention(q[..., :8, :], q[..., :8, :], q[..., :8, :])
+    assert spy == []
+    scaled_dot_product_attention(q[..., :8, :], q, q, implementation="tiled")
+    assert spy == [(1, 2, 8, 512)]
+
+
+def test_implementation_errors(rng):
+    q = normal(rng, (4, 3))
+    with pytest.raises(ValueError, match="implementation must be 'auto', 'reference' or 'tiled'"):
+        scaled_dot_product_attention(q, q, q, implementation="flash")
+    with pytest.raises(ValueError, match="never forms the attention weights"):
+        scaled_dot_product_attention(q, q, q, implementation="tiled", return_weights=True)
+    with pytest.raises(ValueError, match="dropout_p=0.5"):
+        scaled_dot_product_attention(
+            q, q, q, dropout_p=0.5, implementation="tiled", rng=np.random.default_rng(0)
+        )
+
+
+def test_public_api_returns_lse_from_the_tiled_path(rng):
+    q, k, v = qkv(rng, np.float32, hq=4, hkv=2)
+    got = scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True, implementation="tiled", return_lse=True
+    )
+    want = reference(q, k, v, None, True, enable_gqa=True)
+    assert_same(got, want, np.float32)
+
+
+@pytest.mark.torch
+def test_tiled_agrees_with_pytorch(torch, rng):
+    q, k, v = qkv(rng, np.float32, t=200, s=300, hq=4, hkv=2)
+    ours = scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True, causal_alignment="bottom_right",
+        implementation="tiled",
+    )
+    from torch.nn.attention.bias import causal_lower_right
+
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=causal_lower_right(200, 300), enable_gqa=True
+    ).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
