@@ -2,6 +2,7 @@
 # Every target sets up .venv first if it is missing or out of date.
 
 PYTHON      ?= python3
+NPM         ?= npm
 VENV        ?= .venv
 BUILDDIR    ?= _build
 SPHINXOPTS  ?= -n -W --keep-going
@@ -12,10 +13,15 @@ EXTRAS      ?= test,docs,bench
 
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-SPHINX := $(VPY) -m sphinx -c . book $(BUILDDIR)/html $(SPHINXOPTS)
+# MathJax (pinned in package.json / package-lock.json) is installed with `npm ci` and copied
+# into the site by conf.py, so the book's maths renders with no network.
+NODE_STAMP := node_modules/.package-lock.json
+# One doctree folder for the html and doctest builders; it also holds the execution cache
+# (doctrees/jupyter-cache/<fingerprint of src/sdpa>), so a package change re-executes the book.
+SPHINX := $(VPY) -m sphinx -c . book -d $(BUILDDIR)/doctrees
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test unit doctest html html-force serve bench demo constraints clean
+.PHONY: help venv node_modules test unit doctest html html-force serve bench demo constraints clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -28,6 +34,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP) ## create .venv and install sdpa (editable) with its test, docs and bench extras
 
+$(NODE_STAMP): package.json package-lock.json
+	$(NPM) ci --no-audit --no-fund --ignore-scripts
+	touch $@
+
+node_modules: $(NODE_STAMP) ## install MathJax for the book from package-lock.json (npm ci)
+
 test: $(STAMP) html-force ## run every test: unit, doctests, README, book build and browser
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
@@ -36,16 +48,20 @@ unit: $(STAMP) ## run the unit tests and doctests only (no book build, no browse
 
 doctest: $(STAMP) ## run the doctests of the package, the README and the book
 	$(VPY) -m pytest src/sdpa README.md $(PYTEST_ARGS)
-	$(VPY) -m sphinx -b doctest -c . book $(BUILDDIR)/doctest $(SPHINXOPTS) -q
+	$(SPHINX) -b doctest $(BUILDDIR)/doctest $(SPHINXOPTS) -q
 
-html: $(STAMP) ## build the book into _build/html (re-executes pages whose inputs changed)
-	$(SPHINX)
+html: $(STAMP) $(NODE_STAMP) ## build the book into _build/html (re-runs pages whose code or src/sdpa changed)
+	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS)
 
-html-force: $(STAMP) ## build the book, executing every page afresh
-	$(SPHINX) -E -D nb_execution_mode=force
+# Forced execution: the execution cache is emptied and every page re-read, so every page runs
+# afresh; the fresh outputs refill the cache, so a following `make html` has nothing to redo.
+html-force: $(STAMP) $(NODE_STAMP) ## build the book, executing every page afresh
+	rm -rf $(BUILDDIR)/doctrees/jupyter-cache
+	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS) -E
 
-serve: ## serve the built book on http://127.0.0.1:8000 (site search needs http)
-	@test -d $(BUILDDIR)/html || { echo "run 'make html' first"; exit 1; }
+serve: ## serve the built book on http://127.0.0.1:8000 (search does not work from file://)
+	@test -f $(BUILDDIR)/html/index.html || { echo "no book in $(BUILDDIR)/html: run 'make html' first"; exit 1; }
+	@echo "Serving the book at http://$(HOST):$(PORT)/ (Ctrl-C stops)"
 	$(PYTHON) -m http.server $(PORT) --bind $(HOST) --directory $(BUILDDIR)/html
 
 bench: $(STAMP) ## run the benchmarks and write benchmarks/results/
@@ -57,5 +73,5 @@ demo: $(STAMP) ## run the demonstration, python -m sdpa
 constraints: $(STAMP) ## refresh constraints.txt from the working .venv
 	$(VPY) -m pip freeze --exclude-editable | grep -v '^torch==' > constraints.txt
 
-clean: ## remove build outputs (keeps .venv)
+clean: ## remove build outputs and the execution cache (keeps .venv and node_modules)
 	rm -rf $(BUILDDIR) .pytest_cache .hypothesis

@@ -378,7 +378,8 @@ def test_causal_bottom_right_with_more_queries_than_keys_masks_the_first_rows(rn
 def test_no_keys_at_all(dtype):
     q = np.ones((B, H, T, DK), dtype=dtype)
     with np.errstate(**RAISE_ON_TROUBLE):
-        out, weights, lse = sdpa_all(q, np.ones((B, H, 0, DK), dtype), np.ones((B, H, 0, DV), dtype))
+        k, v = np.ones((B, H, 0, DK), dtype), np.ones((B, H, 0, DV), dtype)
+        out, weights, lse = sdpa_all(q, k, v)
     assert out.shape == (B, H, T, DV) and weights.shape == (B, H, T, 0) and lse.shape == (B, H, T)
     assert out.dtype == weights.dtype == lse.dtype == dtype
     np.testing.assert_array_equal(out, 0.0)
@@ -395,12 +396,14 @@ def test_zero_width_keys_use_scale_one_and_uniform_weights(rng):
     with np.errstate(**RAISE_ON_TROUBLE):
         out, weights, lse = sdpa_all(np.zeros((H, T, 0)), np.zeros((H, S, 0)), v)
     np.testing.assert_allclose(weights, 1 / S, rtol=1e-15)
-    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=-2, keepdims=True), out.shape), rtol=1e-13)
+    mean = np.broadcast_to(v.mean(axis=-2, keepdims=True), out.shape)
+    np.testing.assert_allclose(out, mean, rtol=1e-13)
     np.testing.assert_allclose(lse, math.log(S), rtol=1e-15)
     # all scores are 0: a float bias alone decides, whatever the scale
     bias = randn(rng, S)
     ref = loop_attention(np.zeros((T, 0)), np.zeros((S, 0)), v[0], bias)
-    assert_matches_reference(sdpa_all(np.zeros((T, 0)), np.zeros((S, 0)), v[0], bias, scale=5.0), ref)
+    got = sdpa_all(np.zeros((T, 0)), np.zeros((S, 0)), v[0], bias, scale=5.0)
+    assert_matches_reference(got, ref)
 
 
 # --- grouped-query and multi-query attention ---------------------------------------------------
@@ -524,7 +527,8 @@ def test_float16_is_computed_in_float32(rng):
 
 
 def test_float32_matches_float64_reference(rng):
-    q, k, v = (randn(rng, *s).astype(np.float32) for s in ((B, H, T, DK), (B, H, S, DK), (B, H, S, DV)))
+    shapes = ((B, H, T, DK), (B, H, S, DK), (B, H, S, DV))
+    q, k, v = (randn(rng, *s).astype(np.float32) for s in shapes)
     got = sdpa_all(q, k, v, is_causal=True)
     assert_matches_reference(got, loop_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
 
@@ -536,9 +540,8 @@ def test_integer_and_bool_inputs_compute_in_float64(dtype):
     v = THE_CAT_SLEEPS_V.astype(dtype)
     out = scaled_dot_product_attention(q, k, v, scale=1.0)
     assert out.dtype == np.float64
-    np.testing.assert_array_equal(
-        out, scaled_dot_product_attention(q.astype(float), k.astype(float), v.astype(float), scale=1.0)
-    )
+    as_float = (a.astype(np.float64) for a in (q, k, v))
+    np.testing.assert_array_equal(out, scaled_dot_product_attention(*as_float, scale=1.0))
 
 
 @pytest.mark.parametrize(
@@ -593,7 +596,7 @@ def test_non_contiguous_views_and_lists_are_accepted(rng):
         np.testing.assert_allclose(g, e, rtol=1e-14)
 
 
-# --- dropout ---------------------------------------------------------------------------------------
+# --- dropout -----------------------------------------------------------------------------------
 
 
 def test_dropout_scales_kept_weights_by_one_over_keep_probability(rng):
@@ -688,70 +691,127 @@ def q_k_v(q_shape=(T, DK), k_shape=(S, DK), v_shape=(S, DV)):
 def test_fewer_than_two_dimensions_raise(which):
     args = dict(zip(("query", "key", "value"), q_k_v()))
     args[which] = np.zeros(3)
-    with pytest.raises(ValueError, match=rf"{which} must have at least 2 dimensions \(\.\.\., L, D\); got {which}.shape=\(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{which} must have at least 2 dimensions \(\.\.\., L, D\); got "
+              rf"{which}.shape=\(3,\)",
+    ):
         scaled_dot_product_attention(**args)
 
 
 def test_dk_mismatch_raises():
-    with pytest.raises(ValueError, match=r"query and key must share the last dimension Dk; got query.shape=\(5, 11\), key.shape=\(7, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"query and key must share the last dimension Dk; got query.shape=\(5, 11\), "
+              r"key.shape=\(7, 3\)",
+    ):
         scaled_dot_product_attention(*q_k_v(k_shape=(S, 3)))
 
 
 def test_s_mismatch_raises():
-    with pytest.raises(ValueError, match=r"key and value must share the sequence length S \(axis -2\); got key.shape=\(7, 11\), value.shape=\(5, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"key and value must share the sequence length S \(axis -2\); got key.shape=\(7, "
+              r"11\), value.shape=\(5, 4\)",
+    ):
         scaled_dot_product_attention(*q_k_v(v_shape=(T, DV)))
 
 
 def test_batch_shapes_that_do_not_broadcast_raise():
-    with pytest.raises(ValueError, match=r"batch and head dimensions of query, key and value must broadcast .*got query.shape=\(2, 5, 11\), key.shape=\(3, 7, 11\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch and head dimensions of query, key and value must broadcast .*got "
+              r"query.shape=\(2, 5, 11\), key.shape=\(3, 7, 11\)",
+    ):
         scaled_dot_product_attention(*q_k_v((B, T, DK), (H, S, DK), (H, S, DV)))
 
 
 def test_gqa_batch_shapes_that_do_not_broadcast_raise():
-    with pytest.raises(ValueError, match=r"the batch dimensions of query, key and value must broadcast; got query.shape=\(2, 6, 5, 11\)"):
-        scaled_dot_product_attention(*q_k_v((2, 6, T, DK), (3, 3, S, DK), (3, 3, S, DV)), enable_gqa=True)
+    with pytest.raises(
+        ValueError,
+        match=r"the batch dimensions of query, key and value must broadcast; got query.shape=\(2, "
+              r"6, 5, 11\)",
+    ):
+        args = q_k_v((2, 6, T, DK), (3, 3, S, DK), (3, 3, S, DV))
+        scaled_dot_product_attention(*args, enable_gqa=True)
 
 
 def test_gqa_heads_that_do_not_divide_raise():
-    with pytest.raises(ValueError, match=r"query heads Hq=6 must be a multiple of the key/value heads Hkv=4; got query.shape=\(6, 5, 11\), key.shape=\(4, 7, 11\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"query heads Hq=6 must be a multiple of the key/value heads Hkv=4; got "
+              r"query.shape=\(6, 5, 11\), key.shape=\(4, 7, 11\)",
+    ):
         scaled_dot_product_attention(*q_k_v((6, T, DK), (4, S, DK), (4, S, DV)), enable_gqa=True)
 
 
 def test_gqa_key_and_value_heads_differ_raises():
-    with pytest.raises(ValueError, match=r"key and value must have the same number of heads; got key.shape=\(3, 7, 11\), value.shape=\(2, 7, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"key and value must have the same number of heads; got key.shape=\(3, 7, 11\), "
+              r"value.shape=\(2, 7, 4\)",
+    ):
         scaled_dot_product_attention(*q_k_v((6, T, DK), (3, S, DK), (2, S, DV)), enable_gqa=True)
 
 
 def test_gqa_without_a_heads_axis_raises():
-    with pytest.raises(ValueError, match=r"enable_gqa=True needs a heads axis \(\.\.\., H, L, D\) in query; got query.shape=\(5, 11\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"enable_gqa=True needs a heads axis \(\.\.\., H, L, D\) in query; got "
+              r"query.shape=\(5, 11\)",
+    ):
         scaled_dot_product_attention(*q_k_v(), enable_gqa=True)
 
 
-@pytest.mark.parametrize("mask_shape", [(S + 1,), (T + 1, S), (B + 1, 1, 1, S), (1, 1, 1, T, S)], ids=str)
+@pytest.mark.parametrize(
+    "mask_shape", [(S + 1,), (T + 1, S), (B + 1, 1, 1, S), (1, 1, 1, T, S)], ids=str
+)
 def test_mask_that_does_not_broadcast_raises(mask_shape):
-    with pytest.raises(ValueError, match=r"attn_mask must broadcast to the attention weights of shape \(2, 3, 5, 7\) \(\.\.\., H, T, S\); got attn_mask.shape="):
-        scaled_dot_product_attention(*q_k_v((B, H, T, DK), (B, H, S, DK), (B, H, S, DV)), np.ones(mask_shape, bool))
+    with pytest.raises(
+        ValueError,
+        match=r"attn_mask must broadcast to the attention weights of shape \(2, 3, 5, 7\) "
+              r"\(\.\.\., H, T, S\); got attn_mask.shape=",
+    ):
+        args = q_k_v((B, H, T, DK), (B, H, S, DK), (B, H, S, DV))
+        scaled_dot_product_attention(*args, np.ones(mask_shape, bool))
 
 
 def test_gqa_mask_is_checked_against_the_query_heads():
-    with pytest.raises(ValueError, match=r"attn_mask must broadcast to the attention weights of shape \(6, 5, 7\)"):
-        scaled_dot_product_attention(*q_k_v((6, T, DK), (3, S, DK), (3, S, DV)), np.ones((3, T, S), bool), enable_gqa=True)
+    with pytest.raises(
+        ValueError,
+        match=r"attn_mask must broadcast to the attention weights of shape \(6, 5, 7\)",
+    ):
+        args = q_k_v((6, T, DK), (3, S, DK), (3, S, DV))
+        scaled_dot_product_attention(*args, np.ones((3, T, S), bool), enable_gqa=True)
 
 
 def test_zero_dimensional_mask_raises():
-    with pytest.raises(ValueError, match=r"attn_mask must have at least one dimension \(S,\); got a 0-d array"):
+    with pytest.raises(
+        ValueError,
+        match=r"attn_mask must have at least one dimension \(S,\); got a 0-d array",
+    ):
         scaled_dot_product_attention(*q_k_v(), np.array(True))
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8])
 def test_integer_mask_raises_and_says_convert_to_bool(dtype):
-    with pytest.raises(TypeError, match=r"attn_mask has integer dtype .*convert it to bool with True = may attend"):
+    with pytest.raises(
+        TypeError,
+        match=r"attn_mask has integer dtype .*convert it to bool with True = may attend",
+    ):
         scaled_dot_product_attention(*q_k_v(), np.ones((T, S), dtype))
 
 
-@pytest.mark.parametrize("mask", [np.ones(S, complex), np.array(["a"] * S), np.array([None] * S)], ids=["complex", "str", "object"])
+@pytest.mark.parametrize(
+    "mask",
+    [np.ones(S, complex), np.array(["a"] * S), np.array([None] * S)],
+    ids=["complex", "str", "object"],
+)
 def test_mask_of_another_kind_raises(mask):
-    with pytest.raises(TypeError, match=r"attn_mask must be a bool array \(True = may attend\) or a float bias; got dtype"):
+    with pytest.raises(
+        TypeError,
+        match=r"attn_mask must be a bool array \(True = may attend\) or a float bias; got dtype",
+    ):
         scaled_dot_product_attention(*q_k_v(), mask)
 
 
@@ -759,7 +819,10 @@ def test_mask_of_another_kind_raises(mask):
 def test_float_mask_with_nan_or_plus_inf_raises(bad):
     bias = np.zeros(S)
     bias[2] = bad
-    with pytest.raises(ValueError, match=r"attn_mask as a float bias must not contain NaN or \+inf"):
+    with pytest.raises(
+        ValueError,
+        match=r"attn_mask as a float bias must not contain NaN or \+inf",
+    ):
         scaled_dot_product_attention(*q_k_v(), bias)
 
 
@@ -768,18 +831,27 @@ def test_float_mask_with_nan_or_plus_inf_raises(bad):
 def test_complex_and_object_inputs_raise(which, dtype):
     args = dict(zip(("query", "key", "value"), q_k_v()))
     args[which] = args[which].astype(dtype)
-    with pytest.raises(TypeError, match=rf"{which} must be a real floating, integer or bool array; got dtype"):
+    with pytest.raises(
+        TypeError,
+        match=rf"{which} must be a real floating, integer or bool array; got dtype",
+    ):
         scaled_dot_product_attention(**args)
 
 
 def test_bad_causal_alignment_raises():
-    with pytest.raises(ValueError, match=r"causal_alignment must be 'top_left' or 'bottom_right'; got 'bottom-right'"):
+    with pytest.raises(
+        ValueError,
+        match=r"causal_alignment must be 'top_left' or 'bottom_right'; got 'bottom-right'",
+    ):
         scaled_dot_product_attention(*q_k_v(), is_causal=True, causal_alignment="bottom-right")
 
 
 @pytest.mark.parametrize("window", [(1,), 3, (-1, 0), (0, 2.5), (1, 2, 3)], ids=str)
 def test_bad_window_raises(window):
-    with pytest.raises(ValueError, match=r"window must be a pair \(left, right\) of non-negative integers or None; got"):
+    with pytest.raises(
+        ValueError,
+        match=r"window must be a pair \(left, right\) of non-negative integers or None; got",
+    ):
         scaled_dot_product_attention(*q_k_v(), window=window)
 
 
@@ -813,12 +885,19 @@ def test_dropout_of_wrong_kind_raises():
 
 
 def test_dropout_without_rng_raises():
-    with pytest.raises(TypeError, match=r"dropout_p=0.5 > 0 needs an explicit rng=np.random.default_rng\(seed\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"dropout_p=0.5 > 0 needs an explicit rng=np.random.default_rng\(seed\)",
+    ):
         scaled_dot_product_attention(*q_k_v(), dropout_p=0.5)
 
 
 def test_dropout_with_a_legacy_random_state_raises():
-    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator, e.g. np.random.default_rng\(0\); got RandomState"):
+    with pytest.raises(
+        TypeError,
+        match=r"rng must be a numpy.random.Generator, e.g. np.random.default_rng\(0\); got "
+              r"RandomState",
+    ):
         scaled_dot_product_attention(*q_k_v(), dropout_p=0.5, rng=np.random.RandomState(0))
 
 

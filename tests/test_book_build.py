@@ -77,8 +77,7 @@ FAILING_PAGE = FRONT_MATTER + textwrap.dedent(
 )
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
+def make_project(tmp_path: Path) -> Path:
     """A project folder with the real conf.py, static files and MathJax, and a tiny package."""
     if not (ROOT / "node_modules" / "mathjax").is_dir():
         pytest.fail("node_modules is missing: run `make node_modules` (npm ci) first")
@@ -92,6 +91,11 @@ def project(tmp_path: Path) -> Path:
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("VALUE = 1\n")
     return tmp_path
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    return make_project(tmp_path)
 
 
 def build(project: Path) -> subprocess.CompletedProcess:
@@ -110,8 +114,13 @@ def runs(project: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def read(path: Path) -> str:
+    """The file's text, or "" if the build did not write it (the assertions then say why)."""
+    return path.read_text(encoding="utf-8") if path.exists() else ""
+
+
 def page_html(project: Path) -> str:
-    return (project / "_build" / "html" / "page.html").read_text(encoding="utf-8")
+    return read(project / "_build" / "html" / "page.html")
 
 
 def test_a_cell_that_raises_fails_the_build(project):
@@ -122,38 +131,61 @@ def test_a_cell_that_raises_fails_the_build(project):
     assert "RuntimeError" in output and "deliberate failure 7f3a" in output, output
 
 
-def test_cache_reexecutes_when_the_package_changes(project):
+@pytest.fixture(scope="module")
+def cache_story(tmp_path_factory) -> dict:
+    """Build a one-page book three times: cold, unchanged, and after a change to the package."""
+    story = {}
+    project = make_project(tmp_path_factory.mktemp("cache"))
     (project / "book" / "page.md").write_text(PAGE)
 
-    first = build(project)
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert runs(project) == 1
-    assert "package value 1" in page_html(project)
-
-    unchanged = build(project)
-    assert unchanged.returncode == 0, unchanged.stdout + unchanged.stderr
-    assert runs(project) == 1, "nothing changed, yet the page executed again"
-
-    # Only the package changes; the page's own code is the same as before.
-    (project / "src" / "sdpa" / "__init__.py").write_text("VALUE = 2\n")
-    changed = build(project)
-    assert changed.returncode == 0, changed.stdout + changed.stderr
-    assert runs(project) == 2, "the package changed, but the page was not executed again"
-    html = page_html(project)
-    assert "package value 2" in html and "package value 1" not in html
-
-
-def test_executed_pages_are_offered_as_notebooks(project):
-    (project / "book" / "page.md").write_text(PAGE)
-    result = build(project)
-    assert result.returncode == 0, result.stdout + result.stderr
-    html = page_html(project)
+    story["first"] = build(project)
+    story["first_runs"] = runs(project)
+    story["first_html"] = page_html(project)
     sources = project / "_build" / "html" / "_sources"
-    # The download menu links both files, and both are in the site.
-    assert 'href="_sources/page.ipynb"' in html
-    assert 'href="_sources/page.md"' in html
-    notebook = (sources / "page.ipynb").read_text(encoding="utf-8")
-    assert "package value 1" in notebook  # the executed notebook, with its output
-    assert (sources / "page.md").read_text(encoding="utf-8") == PAGE
+    story["notebook"] = read(sources / "page.ipynb")
+    story["source"] = read(sources / "page.md")
+    story["index_html"] = read(project / "_build" / "html" / "index.html")
+
+    story["unchanged"] = build(project)
+    story["unchanged_runs"] = runs(project)
+
+    # Only the package changes; the page's own code stays as it was.
+    (project / "src" / "sdpa" / "__init__.py").write_text("VALUE = 2\n")
+    story["changed"] = build(project)
+    story["changed_runs"] = runs(project)
+    story["changed_html"] = page_html(project)
+    return story
+
+
+def _ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_cold_build_executes_the_page(cache_story):
+    _ok(cache_story["first"])
+    assert cache_story["first_runs"] == 1
+    assert "package value 1" in cache_story["first_html"]
+
+
+def test_an_unchanged_book_is_not_executed_again(cache_story):
+    _ok(cache_story["unchanged"])
+    assert cache_story["unchanged_runs"] == 1, "nothing changed, yet the page executed again"
+
+
+def test_a_package_change_executes_the_page_again(cache_story):
+    _ok(cache_story["changed"])
+    assert cache_story["changed_runs"] == 2, "the package changed but the page did not execute"
+    assert "package value 2" in cache_story["changed_html"]
+    assert "package value 1" not in cache_story["changed_html"]
+
+
+def test_executed_pages_are_offered_as_notebooks(cache_story):
+    _ok(cache_story["first"])
+    # The theme's download menu links both files, and both are in the site.
+    assert 'href="_sources/page.ipynb"' in cache_story["first_html"]
+    assert 'href="_sources/page.md"' in cache_story["first_html"]
+    assert "package value 1" in cache_story["notebook"]  # executed, with its output
+    assert cache_story["source"] == PAGE
     # A page without code is not a notebook and offers only its source.
-    assert "ipynb" not in (project / "_build" / "html" / "index.html").read_text(encoding="utf-8")
+    assert "page.ipynb" not in cache_story["index_html"]
+    assert "index.ipynb" not in cache_story["index_html"]

@@ -64,7 +64,7 @@ def test_softmax_scores_reproduce_the_seed():
     np.testing.assert_allclose(softmax(SOFTMAX_SCORES), [0.659, 0.242, 0.099], atol=5e-4)
 
 
-# --- "the cat sat on mat" (000_8eaea0c5c6ef8cd9.txt) -----------------------------------------------
+# --- "the cat sat on mat" (000_8eaea0c5c6ef8cd9.txt) -------------------------------------------
 
 
 def test_the_cat_sat_on_mat_has_the_seed_shapes_and_values():
@@ -95,7 +95,9 @@ def test_the_cat_sat_on_mat_projections_are_nearly_affine_in_position():
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_attention_over_the_cat_sat_on_mat(is_causal):
     ex = the_cat_sat_on_mat()
-    out, weights = scaled_dot_product_attention(ex.Q, ex.K, ex.V, is_causal=is_causal, return_weights=True)
+    out, weights = scaled_dot_product_attention(
+        ex.Q, ex.K, ex.V, is_causal=is_causal, return_weights=True
+    )
     assert out.shape == (1, 5, 4) and weights.shape == (1, 5, 5)
     np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-14)
     if is_causal:

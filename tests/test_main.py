@@ -29,9 +29,14 @@ HEADERS = (
 @pytest.fixture(scope="module")
 def demo_output() -> str:
     """stdout of ``python -m sdpa`` in a fresh interpreter, on this checkout's package."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, "-m", "sdpa"], capture_output=True, text=True, env=env, timeout=120, check=False
+        [sys.executable, "-m", "sdpa"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""

@@ -74,11 +74,13 @@ def test_causal_window_is_causal_mask_and_band(alignment):
     T, S, w = 5, 11, 3
     band = sliding_window_mask(T, S, (w - 1, 0), alignment=alignment)
     offset = 0 if alignment == "top_left" else S - T
-    expected = causal_mask(T, S, alignment=alignment) & ~np.tril(np.ones((T, S)), offset - w).astype(bool)
+    too_old = np.tril(np.ones((T, S)), offset - w).astype(bool)  # j <= i + o - w
+    expected = causal_mask(T, S, alignment=alignment) & ~too_old
     np.testing.assert_array_equal(band, expected)
     # an unbounded left side with right = 0 is exactly the causal mask
     np.testing.assert_array_equal(
-        sliding_window_mask(T, S, (None, 0), alignment=alignment), causal_mask(T, S, alignment=alignment)
+        sliding_window_mask(T, S, (None, 0), alignment=alignment),
+        causal_mask(T, S, alignment=alignment),
     )
 
 
@@ -132,7 +134,10 @@ def test_bad_alignment_raises(f):
 
 @pytest.mark.parametrize("window", [(1,), (1, 2, 3), 2, (-1, 0), (0, 1.5), (True, 0), "ab"])
 def test_bad_window_raises(window):
-    with pytest.raises(ValueError, match=r"window must be a pair \(left, right\) of non-negative integers or None; got"):
+    with pytest.raises(
+        ValueError,
+        match=r"window must be a pair \(left, right\) of non-negative integers or None; got",
+    ):
         sliding_window_mask(3, 3, window)
 
 
@@ -147,7 +152,10 @@ def test_padding_lengths_of_wrong_kind_raise():
 
 
 def test_padding_lengths_of_wrong_shape_raise():
-    with pytest.raises(ValueError, match=r"lengths must be 1-D with one length per sequence; got shape \(2, 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"lengths must be 1-D with one length per sequence; got shape \(2, 1\)",
+    ):
         padding_mask([[1], [2]], 3)
 
 

@@ -59,7 +59,10 @@ def test_split_heads_takes_contiguous_column_blocks(rng):
         np.testing.assert_array_equal(heads[:, h], x[..., 4 * h:4 * (h + 1)])
 
 
-@pytest.mark.parametrize("shape, n_heads", [((T, 12), 3), ((B, T, 12), 4), ((3, B, T, 10), 5), ((T, 7), 1), ((T, 7), 7)])
+@pytest.mark.parametrize(
+    "shape, n_heads",
+    [((T, 12), 3), ((B, T, 12), 4), ((3, B, T, 10), 5), ((T, 7), 1), ((T, 7), 7)],
+)
 def test_split_then_merge_is_the_identity(shape, n_heads, rng):
     x = rng.standard_normal(shape)
     heads = split_heads(x, n_heads)
@@ -182,7 +185,9 @@ def test_random_is_reproducible_and_has_glorot_shapes():
 
 
 def test_random_with_bias_and_d_k_and_dtype():
-    mha = MultiHeadAttention.random(10, 2, d_k=3, bias=True, rng=np.random.default_rng(1), dtype=np.float32)
+    mha = MultiHeadAttention.random(
+        10, 2, d_k=3, bias=True, rng=np.random.default_rng(1), dtype=np.float32
+    )
     assert mha.W_q.shape == (10, 6) and mha.W_o.shape == (6, 10)
     assert mha.W_q.dtype == np.float32
     np.testing.assert_array_equal(mha.b_q, 0.0)
@@ -199,13 +204,20 @@ def test_repr_names_the_sizes(rng):
 
 
 def test_split_heads_needs_two_dimensions():
-    with pytest.raises(ValueError, match=r"x must have at least 2 dimensions \(\.\.\., T, E\); got x.shape=\(12,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"x must have at least 2 dimensions \(\.\.\., T, E\); got x.shape=\(12,\)",
+    ):
         split_heads(np.zeros(12), 3)
 
 
 @pytest.mark.parametrize("n_heads", [0, 5])
 def test_split_heads_needs_a_divisor(n_heads):
-    with pytest.raises(ValueError, match=rf"n_heads={n_heads} must be positive and divide the last axis of x; got x.shape=\(5, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"n_heads={n_heads} must be positive and divide the last axis of x; got "
+              rf"x.shape=\(5, 12\)",
+    ):
         split_heads(np.zeros((T, 12)), n_heads)
 
 
@@ -215,7 +227,10 @@ def test_split_heads_needs_an_integer():
 
 
 def test_merge_heads_needs_three_dimensions():
-    with pytest.raises(ValueError, match=r"x must have at least 3 dimensions \(\.\.\., H, T, D\); got x.shape=\(5, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"x must have at least 3 dimensions \(\.\.\., H, T, D\); got x.shape=\(5, 4\)",
+    ):
         merge_heads(np.zeros((T, 4)))
 
 
@@ -226,47 +241,68 @@ def weights(E=12, Hq=3, Hkv=3, Dk=4, Dv=4):
 
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(0, None), (3, 2), (3, 0)])
 def test_head_counts_must_divide(n_heads, n_kv_heads):
-    with pytest.raises(ValueError, match=r"n_kv_heads must be positive and divide n_heads; got n_heads="):
+    with pytest.raises(
+        ValueError,
+        match=r"n_kv_heads must be positive and divide n_heads; got n_heads=",
+    ):
         MultiHeadAttention(**weights(), n_heads=n_heads, n_kv_heads=n_kv_heads)
 
 
 def test_w_q_columns_must_split_into_heads():
-    with pytest.raises(ValueError, match=r"W_q must have Hq \* Dk columns with Hq=n_heads=5; got W_q.shape=\(12, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"W_q must have Hq \* Dk columns with Hq=n_heads=5; got W_q.shape=\(12, 12\)",
+    ):
         MultiHeadAttention(**weights(), n_heads=5, n_kv_heads=1)
 
 
 def test_w_k_shape_must_match_heads_and_dk():
     w = weights()
     w["W_k"] = np.zeros((12, 8))
-    with pytest.raises(ValueError, match=r"W_k must be a matrix of shape \(any, 12\); got W_k.shape=\(12, 8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"W_k must be a matrix of shape \(any, 12\); got W_k.shape=\(12, 8\)",
+    ):
         MultiHeadAttention(**w, n_heads=3)
 
 
 def test_w_v_columns_must_split_into_kv_heads():
     w = weights(Hq=2, Hkv=2)
     w["W_v"] = np.zeros((12, 5))
-    with pytest.raises(ValueError, match=r"W_v must have Hkv \* Dv columns with Hkv=2; got W_v.shape=\(12, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"W_v must have Hkv \* Dv columns with Hkv=2; got W_v.shape=\(12, 5\)",
+    ):
         MultiHeadAttention(**w, n_heads=2)
 
 
 def test_w_o_rows_must_be_heads_times_dv():
     w = weights()
     w["W_o"] = np.zeros((10, 12))
-    with pytest.raises(ValueError, match=r"W_o must be a matrix of shape \(12, any\); got W_o.shape=\(10, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"W_o must be a matrix of shape \(12, any\); got W_o.shape=\(10, 12\)",
+    ):
         MultiHeadAttention(**w, n_heads=3)
 
 
 def test_weights_must_be_matrices():
     w = weights()
     w["W_q"] = np.zeros(12)
-    with pytest.raises(ValueError, match=r"W_q must be a matrix of shape \(any, any\); got W_q.shape=\(12,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"W_q must be a matrix of shape \(any, any\); got W_q.shape=\(12,\)",
+    ):
         MultiHeadAttention(**w, n_heads=3)
 
 
 def test_weights_must_be_real():
     w = weights()
     w["W_v"] = w["W_v"].astype(complex)
-    with pytest.raises(TypeError, match=r"W_v must be a real floating, integer or bool array; got dtype complex128"):
+    with pytest.raises(
+        TypeError,
+        match=r"W_v must be a real floating, integer or bool array; got dtype complex128",
+    ):
         MultiHeadAttention(**w, n_heads=3)
 
 
@@ -280,7 +316,10 @@ def test_input_width_must_match_projection(which):
     mha = MultiHeadAttention.random(12, 3, rng=np.random.default_rng(0))
     args = dict(query=np.zeros((B, T, 12)), key=np.zeros((B, S, 12)), value=np.zeros((B, S, 12)))
     args[which] = np.zeros((B, S, 10))
-    with pytest.raises(ValueError, match=rf"{which} must have shape \(\.\.\., L, 12\) to match W_{which[0]}.shape=\(12, "):
+    with pytest.raises(
+        ValueError,
+        match=rf"{which} must have shape \(\.\.\., L, 12\) to match W_{which[0]}.shape=\(12, ",
+    ):
         mha(**args)
 
 

@@ -31,7 +31,10 @@ def test_matches_the_papers_formula(n_positions, d_model):
 
 def test_other_base():
     np.testing.assert_allclose(
-        sinusoidal_positional_encoding(9, 6, base=100.0), loop_table(9, 6, 100.0), rtol=1e-12, atol=1e-12
+        sinusoidal_positional_encoding(9, 6, base=100.0),
+        loop_table(9, 6, 100.0),
+        rtol=1e-12,
+        atol=1e-12,
     )
 
 
@@ -76,7 +79,8 @@ def test_empty_tables(n_positions, d_model):
 
 def test_numpy_integers_are_accepted():
     np.testing.assert_array_equal(
-        sinusoidal_positional_encoding(np.int64(4), np.int32(6)), sinusoidal_positional_encoding(4, 6)
+        sinusoidal_positional_encoding(np.int64(4), np.int32(6)),
+        sinusoidal_positional_encoding(4, 6),
     )
 
 

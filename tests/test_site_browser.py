@@ -1,17 +1,21 @@
 """Open every page of the built book in headless Chromium, over http and from file://.
 
-For each page the test asserts what a reader with no network needs: no console error and no
-failed request, no request to any host but 127.0.0.1 (every other request is aborted and
-reported), every formula typeset by MathJax (no raw TeX left in the text, no MathJax error), and
-every image loaded. It saves a full-page screenshot of each page in
-``_build/screenshots/<mode>/``: light colours over http, dark colours from file://.
+For each page the test asserts what a reader with no network needs: no console error, no failed
+request and no request to any host but 127.0.0.1; every formula typeset by MathJax (no raw TeX
+left in the text, no MathJax error); every image loaded; and, over http, working links to the
+page's downloadable sources (.md, and .ipynb for executed pages). It saves a full-page screenshot
+of each page in ``_build/screenshots/<mode>/``: light colours over http, dark colours from file://.
 
-Build the site first (``make html``); ``make test`` does. Without a built site or Chromium the
+The pages are visited once per mode by a module fixture (a few at a time, to keep the run short);
+each page then has its own test that reports what was found there.
+
+Build the site first (``make html``; ``make test`` does). Without a built site or Chromium the
 tests skip, except under ``SDPA_REQUIRE_REFERENCES=1`` (CI), where they fail.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import http.server
 import os
@@ -19,7 +23,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import pytest
 
@@ -39,23 +43,23 @@ CHROMIUM_ARGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    # Belt and braces: a request to another host is reported below, and cannot leave the machine.
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
-TIMEOUT_MS = 30_000
+CONCURRENCY = 3  # pages open at once: enough to overlap waiting, few enough for 2 cores
+TIMEOUT_MS = 60_000
 
-# Raw TeX that MathJax would have replaced: delimiters, and $...$ spans that look like maths.
-RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\begin\{|\\frac|\\sqrt|\$[^$\s][^$\n]{0,80}[\\^_{}][^$\n]{0,80}\$")
-
-
-def _skip_or_fail(reason: str) -> None:
-    if REQUIRE:
-        pytest.fail(reason)
-    pytest.skip(reason)
+# Raw TeX that MathJax would have replaced: delimiters, commands, and $...$ spans with maths in them.
+RAW_TEX = re.compile(
+    r"\\\(|\\\)|\\\[|\\\]|\$\$|\\begin\{|\\frac|\\sqrt|\\operatorname"
+    r"|\$[^$\s][^$\n]{0,80}[\\^_{}][^$\n]{0,80}\$"
+)
 
 
 def _pages() -> list[str]:
     if not (SITE / "index.html").exists():
         return []
-    skip = {"_static", "_sources", "_images", "_sphinx_design_static", ".doctrees"}
+    skip = {"_static", "_sources", "_images", "_sphinx_design_static"}
     return sorted(
         p.relative_to(SITE).as_posix()
         for p in SITE.rglob("*.html")
@@ -64,52 +68,31 @@ def _pages() -> list[str]:
 
 
 PAGES = _pages()
+# The pages made from book/*.md (the others are Sphinx's: search, index of names).
+SOURCE_PAGES = {
+    p.relative_to(ROOT / "book").with_suffix(".html").as_posix()
+    for p in (ROOT / "book").rglob("*.md")
+    if "_static" not in p.parts
+}
+MODES = {"http": "light", "file": "dark"}  # how a page is opened -> the colour scheme used
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
-        pass
+def _skip_or_fail(reason: str) -> None:
+    if REQUIRE:
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
-@pytest.fixture(scope="module")
-def server():
-    """Serve the site on 127.0.0.1 on a free port, for the duration of this module."""
-    handler = functools.partial(_QuietHandler, directory=str(SITE))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+def _shot_path(mode: str, page: str) -> Path:
+    folder = f"{mode}-{MODES[mode]}"
+    return SCREENSHOTS / folder / (page.removesuffix(".html").replace("/", "__") + ".png")
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        _skip_or_fail(f"Chromium not found at {CHROMIUM}; install it with `apt-get install chromium`")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _skip_or_fail("playwright is not installed; `pip install -e .[test]`")
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield chromium
-        chromium.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fresh_screenshots():
-    for mode in ("http-light", "file-dark"):
-        shutil.rmtree(SCREENSHOTS / mode, ignore_errors=True)
-        (SCREENSHOTS / mode).mkdir(parents=True, exist_ok=True)
-
-
-def _allowed(url: str, origin: str | None) -> bool:
+def _allowed(url: str, mode: str) -> bool:
     parts = urlsplit(url)
     if parts.scheme in ("data", "blob", "about"):
         return True
-    if origin is None:  # file:// mode: only files
+    if mode == "file":
         return parts.scheme == "file"
     return parts.scheme == "http" and parts.hostname == "127.0.0.1"
 
@@ -122,20 +105,22 @@ async () => {
   }
   const images = Array.from(document.images);
   images.forEach((img) => { img.loading = "eager"; });
-  await Promise.all(images.map((img) => img.complete ? null :
-      new Promise((done) => { img.addEventListener("load", done); img.addEventListener("error", done); })));
+  await Promise.all(images.map((img) => img.complete ? null : new Promise((done) => {
+    img.addEventListener("load", done);
+    img.addEventListener("error", done);
+  })));
   await document.fonts.ready;
 
   const article = document.querySelector("article") || document.body;
   const mathNodes = Array.from(article.querySelectorAll(".math"));
   const untypeset = mathNodes.filter((node) => !node.querySelector("mjx-container"))
       .map((node) => node.textContent.trim().slice(0, 80));
-  const errors = Array.from(document.querySelectorAll("mjx-merror, mjx-container [data-mjx-error]"))
+  const errors = Array.from(document.querySelectorAll("mjx-merror, [data-mjx-error]"))
       .map((node) => (node.getAttribute("data-mjx-error") || node.textContent).slice(0, 80));
 
   // The text a reader sees, without code (where $ and backslashes are legitimate) or MathJax.
   const copy = article.cloneNode(true);
-  copy.querySelectorAll("pre, code, script, style, mjx-container, .highlight, textarea, .MathJax_Preview")
+  copy.querySelectorAll("pre, code, script, style, mjx-container, .highlight, textarea")
       .forEach((node) => node.remove());
 
   return {
@@ -144,50 +129,25 @@ async () => {
     untypeset,
     errors,
     text: copy.textContent,
-    mathjax: Boolean(window.MathJax && MathJax.version),
-    mathjaxVersion: window.MathJax ? String(MathJax.version) : null,
+    mathjaxVersion: window.MathJax && MathJax.version ? String(MathJax.version) : null,
     images: images.map((img) => ({src: img.currentSrc || img.src, ok: img.complete && img.naturalWidth > 0})),
+    downloads: Array.from(document.querySelectorAll("a.dropdown-item[href*='_sources/']"))
+      .map((a) => a.getAttribute("href")),
   };
 }
 """
 
 
-def _check_page(browser, url: str, origin: str | None, scheme: str, shot: Path) -> None:
-    context = browser.new_context(
-        color_scheme=scheme, viewport={"width": 1280, "height": 900}, service_workers="block"
-    )
-    problems: list[str] = []
-
-    def route(route):
-        if _allowed(route.request.url, origin):
-            route.continue_()
-        else:
-            problems.append(f"request to another host: {route.request.url}")
-            route.abort()
-
-    context.route("**/*", route)
-    page = context.new_page()
-    page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
-    page.on("pageerror", lambda e: problems.append(f"uncaught exception: {e}"))
-    page.on("requestfailed", lambda r: problems.append(f"failed request: {r.url} ({r.failure})"))
-    page.on(
-        "response",
-        lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"),
-    )
-    try:
-        page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
-        report = page.evaluate(INSPECT_JS)
-        page.screenshot(path=str(shot), full_page=True)
-    finally:
-        context.close()
-
-    if not report["mathjax"]:
+def _judge(report: dict) -> list[str]:
+    problems = []
+    version = report["mathjaxVersion"]
+    if version is None:
         problems.append("MathJax did not load")
-    elif not report["mathjaxVersion"].startswith("4."):
-        problems.append(f"MathJax {report['mathjaxVersion']} loaded, expected the bundled 4.x")
+    elif not version.startswith("4."):
+        problems.append(f"MathJax {version} loaded, expected the bundled 4.x")
     if report["untypeset"]:
         problems.append(f"formulas left untypeset: {report['untypeset'][:5]}")
-    if report["mathNodes"] and report["containers"] < report["mathNodes"]:
+    if report["containers"] < report["mathNodes"]:
         problems.append(f"{report['mathNodes']} formulas but {report['containers']} MathJax containers")
     if report["errors"]:
         problems.append(f"MathJax errors: {report['errors'][:5]}")
@@ -197,53 +157,131 @@ def _check_page(browser, url: str, origin: str | None, scheme: str, shot: Path) 
     broken = [img["src"] for img in report["images"] if not img["ok"]]
     if broken:
         problems.append(f"images that did not load: {broken}")
-    assert not problems, f"{url}:\n  " + "\n  ".join(problems)
+    return problems
 
 
-def _shot_path(mode: str, page: str) -> Path:
-    return SCREENSHOTS / mode / (page.removesuffix(".html").replace("/", "__") + ".png")
+async def _visit(browser, mode: str, page_name: str, url: str) -> list[str]:
+    from playwright.async_api import Error as PlaywrightError
+
+    problems: list[str] = []
+    context = await browser.new_context(
+        color_scheme=MODES[mode], viewport={"width": 1280, "height": 900}, service_workers="block"
+    )
+    page = await context.new_page()
+
+    def on_request(request):
+        if not _allowed(request.url, mode):
+            problems.append(f"request to another host: {request.url}")
+
+    page.on("request", on_request)
+    page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"uncaught exception: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"failed request: {r.url} ({r.failure})"))
+    page.on("response", lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"))
+    try:
+        await page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
+        report = await page.evaluate(INSPECT_JS)
+        problems += _judge(report)
+        if mode == "http" and page_name in SOURCE_PAGES:
+            if not report["downloads"]:
+                problems.append("no download links to the page's source")
+            for href in report["downloads"]:
+                response = await context.request.get(urljoin(url, href))
+                if response.status != 200 or not await response.body():
+                    problems.append(f"download link {href} gives HTTP {response.status}")
+        await page.screenshot(path=str(_shot_path(mode, page_name)), full_page=True)
+    except PlaywrightError as error:
+        problems.append(f"{type(error).__name__}: {error}")
+    finally:
+        await context.close()
+    return problems
 
 
-@pytest.fixture
-def site_pages():
+async def _crawl(mode: str, base: str) -> dict[str, list[str]]:
+    from playwright.async_api import async_playwright
+
+    limit = asyncio.Semaphore(CONCURRENCY)
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+
+        async def one(name: str) -> list[str]:
+            async with limit:
+                url = f"{base}/{name}" if mode == "http" else (SITE / name).resolve().as_uri()
+                return await _visit(browser, mode, name, url)
+
+        try:
+            found = await asyncio.gather(*(one(name) for name in PAGES))
+        finally:
+            await browser.close()
+    return dict(zip(PAGES, found))
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Serve the site on 127.0.0.1 on a free port while this module runs."""
+    handler = functools.partial(_QuietHandler, directory=str(SITE))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def site():
     if not PAGES:
         _skip_or_fail(f"the site is not built: no {SITE / 'index.html'}; run `make html` first")
+    if not Path(CHROMIUM).exists():
+        _skip_or_fail(f"Chromium not found at {CHROMIUM}; install it with `apt-get install chromium`")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        _skip_or_fail("playwright is not installed; `pip install -e .[test]`")
     return PAGES
 
 
-@pytest.mark.parametrize("page", PAGES or ["(site not built)"])
-def test_page_over_http(page, site_pages, browser, server):
-    _check_page(browser, f"{server}/{page}", "127.0.0.1", "light", _shot_path("http-light", page))
+@pytest.fixture(scope="module")
+def visits(site, server) -> dict[str, dict[str, list[str]]]:
+    """Open every page in both modes; the problems found on each page, by mode."""
+    for mode in MODES:
+        folder = _shot_path(mode, "x.html").parent
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    return {mode: asyncio.run(_crawl(mode, server)) for mode in MODES}
 
 
 @pytest.mark.parametrize("page", PAGES or ["(site not built)"])
-def test_page_from_file(page, site_pages, browser):
-    url = (SITE / page).resolve().as_uri()
-    _check_page(browser, url, None, "dark", _shot_path("file-dark", page))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_page(mode, page, visits):
+    problems = visits[mode][page]
+    assert not problems, f"{mode} {page}:\n  " + "\n  ".join(problems)
+    assert _shot_path(mode, page).stat().st_size > 0
 
 
-def test_site_has_every_book_page(site_pages):
-    """The walk above covers the book: every source page produced an html page."""
-    sources = {
-        p.relative_to(ROOT / "book").with_suffix(".html").as_posix()
-        for p in (ROOT / "book").rglob("*.md")
-        if "_static" not in p.parts
-    }
-    missing = sorted(sources - set(site_pages))
+def test_site_has_every_book_page(site):
+    """The walk covers the book: every source page produced an html page."""
+    missing = sorted(SOURCE_PAGES - set(site))
     assert not missing, f"pages missing from {SITE}: {missing}"
 
 
-def test_search_works_over_http(site_pages, browser, server):
+def test_search_works_over_http(site, server):
     """Site search finds the book's central word when the site is served over http."""
-    context = browser.new_context()
-    context.route(
-        "**/*", lambda r: r.continue_() if _allowed(r.request.url, "127.0.0.1") else r.abort()
-    )
-    page = context.new_page()
-    try:
-        page.goto(f"{server}/search.html?q=softmax", wait_until="load", timeout=TIMEOUT_MS)
-        page.wait_for_selector("#search-results li", timeout=TIMEOUT_MS)
-        hits = page.locator("#search-results li").count()
-    finally:
-        context.close()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            page.goto(f"{server}/search.html?q=softmax", wait_until="load", timeout=TIMEOUT_MS)
+            page.wait_for_selector("#search-results li", timeout=TIMEOUT_MS)
+            hits = page.locator("#search-results li").count()
+        finally:
+            browser.close()
     assert hits >= 1

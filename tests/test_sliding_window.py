@@ -127,14 +127,15 @@ def test_receptive_field_grows_by_window_per_layer(rng, L, window):
 
 
 @pytest.mark.skipif(not HAS_IMPLEMENTATION, reason="the tiled path (implementation=) is not there yet")
-@pytest.mark.parametrize("window", [(0, 0), (5, 0), (37, 3), (None, 64), (100, None)])
-@pytest.mark.parametrize("T,S", [(300, 300), (129, 700), (700, 129)])
+@pytest.mark.parametrize("window", [(0, 0), (37, 3), (None, 64), (300, None)])
+@pytest.mark.parametrize("T,S", [(700, 1100), (1100, 700)])  # several tiles of either side
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tiled_equals_reference_for_windows(rng, window, T, S, alignment, causal):
-    q = rng.standard_normal((2, T, 16))
-    k = rng.standard_normal((2, S, 16))
-    v = rng.standard_normal((2, S, 8))
+    """Tiles outside the band are skipped, tiles across its edge masked: same result."""
+    q = rng.standard_normal((T, 16))
+    k = rng.standard_normal((S, 16))
+    v = rng.standard_normal((S, 8))
     kwargs = dict(is_causal=causal, causal_alignment=alignment, window=window, return_lse=True)
     out, lse = scaled_dot_product_attention(q, k, v, implementation="tiled", **kwargs)
     out_ref, lse_ref = scaled_dot_product_attention(q, k, v, implementation="reference", **kwargs)

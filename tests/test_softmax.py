@@ -220,7 +220,10 @@ def test_non_integer_axis_raises(axis):
     [([1j, 2.0], "complex128"), (np.array([1, None], dtype=object), "object"), (["a"], "<U1")],
 )
 def test_non_real_input_raises(x, dtype):
-    with pytest.raises(TypeError, match=rf"x must be a real floating, integer or bool array; got dtype {dtype}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"x must be a real floating, integer or bool array; got dtype {dtype}",
+    ):
         softmax(x)
 
 

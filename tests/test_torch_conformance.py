@@ -14,6 +14,11 @@ equivalent PyTorch call and says why:
 * a NaN in a masked-out key: PyTorch adds ``-inf`` to the score (NaN + -inf = NaN), we replace
   the score by ``-inf``, so the NaN never reaches the output;
 * integer inputs: PyTorch raises, we compute in float64 (the seeds' examples are integers);
+* mixed floating dtypes: PyTorch raises, we promote with ``np.result_type`` (NumPy's rule);
+* a float mask of another floating dtype than the inputs: PyTorch raises, we cast the mask to
+  the working dtype;
+* a 1-D ``(S,)`` mask with 4-D inputs: PyTorch 2.13 raises IndexError, we broadcast it by
+  NumPy rules (as the issue asks);
 * dropout: both are random; ours takes an explicit NumPy generator, so the draws cannot match
   PyTorch's and dropout is tested in test_attention.py instead.
 """
@@ -104,7 +109,8 @@ def test_sdpa_grid(torch, name, causal, mask_kind, dtype, rng):
     if mask_kind == "bool":
         mask = rng.random((T_, S_)) < 0.7
     elif mask_kind == "float":
-        mask = np.where(rng.random((T_, S_)) < 0.8, rng.standard_normal((T_, S_)), -np.inf).astype(dtype)
+        mask = np.where(rng.random((T_, S_)) < 0.8, rng.standard_normal((T_, S_)), -np.inf)
+        mask = mask.astype(dtype)
 
     ours = scaled_dot_product_attention(
         q, k, v, mask, is_causal=causal is not None, causal_alignment=causal or "top_left",
@@ -121,7 +127,10 @@ def test_sdpa_grid(torch, name, causal, mask_kind, dtype, rng):
         # PyTorch raises for is_causal together with attn_mask; our policy is the logical
         # AND (JAX's too), so PyTorch gets the combined mask.
         tril = causal_mask(T_, S_, alignment=causal)
-        combined = mask & tril if mask.dtype == bool else np.where(tril, mask, -np.inf).astype(dtype)
+        if mask.dtype == bool:
+            combined = mask & tril
+        else:
+            combined = np.where(tril, mask, -np.inf).astype(dtype)
         theirs = torch_sdpa(torch, q, k, v, combined, enable_gqa=gqa)
 
     assert ours.dtype == dtype and ours.shape == theirs.shape
@@ -150,6 +159,9 @@ def test_every_mask_shape(torch, mask_shape, mask_kind, dtype, rng):
     # broadcasting is what is under test.
     theirs = torch_sdpa(torch, q, k, v, np.broadcast_to(mask, (B, H, T, S)))
     np.testing.assert_allclose(ours, theirs, **TOL[dtype])
+    if mask.ndim == 1:
+        with pytest.raises(IndexError):
+            torch_sdpa(torch, q, k, v, mask)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
@@ -220,7 +232,8 @@ def test_zero_width_keys(torch, with_bias, dtype, rng):
     theirs = torch_sdpa(torch, q, k, v, bias)
     np.testing.assert_allclose(ours, theirs, **TOL[dtype])
     if not with_bias:
-        np.testing.assert_allclose(ours, np.broadcast_to(v.mean(-2, keepdims=True), ours.shape), **TOL[dtype])
+        mean = np.broadcast_to(v.mean(-2, keepdims=True), ours.shape)
+        np.testing.assert_allclose(ours, mean, **TOL[dtype])
 
 
 # --- deliberate differences: test our policy ------------------------------------------------
@@ -232,7 +245,8 @@ def test_causal_with_mask_is_the_logical_and(torch, rng):
     with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal=True"):
         torch_sdpa(torch, q, k, v, mask, is_causal=True)  # PyTorch refuses the combination
     ours = scaled_dot_product_attention(q, k, v, mask, is_causal=True)
-    np.testing.assert_allclose(ours, torch_sdpa(torch, q, k, v, mask & causal_mask(T, S)), **TOL[np.float64])
+    theirs = torch_sdpa(torch, q, k, v, mask & causal_mask(T, S))
+    np.testing.assert_allclose(ours, theirs, **TOL[np.float64])
 
 
 @pytest.mark.parametrize("how", ["bool", "causal"])
@@ -269,7 +283,32 @@ def test_integer_inputs(torch):
         torch_sdpa(torch, q, k, v)
     ours = scaled_dot_product_attention(q, k, v)
     assert ours.dtype == np.float64
-    np.testing.assert_allclose(ours, torch_sdpa(torch, *(a.astype(np.float64) for a in (q, k, v))), **TOL[np.float64])
+    theirs = torch_sdpa(torch, *(a.astype(np.float64) for a in (q, k, v)))
+    np.testing.assert_allclose(ours, theirs, **TOL[np.float64])
+
+
+def test_mixed_dtypes_promote(torch, rng):
+    # PyTorch requires one dtype for query, key and value; we promote with np.result_type,
+    # so float32 queries with float64 keys and values compute (and return) float64.
+    q = rng.standard_normal((B, H, T, DK)).astype(np.float32)
+    k, v = rng.standard_normal((B, H, S, DK)), rng.standard_normal((B, H, S, DV))
+    with pytest.raises(RuntimeError):
+        torch_sdpa(torch, q, k, v)
+    ours = scaled_dot_product_attention(q, k, v)
+    assert ours.dtype == np.float64
+    np.testing.assert_allclose(ours, torch_sdpa(torch, q.astype(np.float64), k, v), **TOL[np.float64])
+
+
+def test_float_mask_is_cast_to_the_working_dtype(torch, rng):
+    # PyTorch wants a float mask in the query's dtype; we cast it (here float64 -> float32).
+    q, k, v = inputs(rng, (B, H, T, DK), (B, H, S, DK), (B, H, S, DV), np.float32)
+    bias = rng.standard_normal((T, S))
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        torch_sdpa(torch, q, k, v, bias)
+    ours = scaled_dot_product_attention(q, k, v, bias)
+    assert ours.dtype == np.float32
+    theirs = torch_sdpa(torch, q, k, v, bias.astype(np.float32))
+    np.testing.assert_allclose(ours, theirs, **TOL[np.float32])
 
 
 # --- torch.nn.MultiheadAttention ------------------------------------------------------------------
@@ -280,9 +319,13 @@ E = 12  # model width; 3 heads of width 4
 def make_pair(torch, rng, *, n_heads, bias, kdim=None, vdim=None, dtype=np.float64):
     """Our MultiHeadAttention and PyTorch's, holding the same random weights and biases."""
     kdim, vdim = kdim or E, vdim or E
-    W_q, W_k, W_v = ((rng.standard_normal((d, E)) / np.sqrt(d)).astype(dtype) for d in (E, kdim, vdim))
+    # divide before casting: float32 / np.sqrt(int) would be float64 under NumPy 2
+    W_q, W_k, W_v = (
+        (rng.standard_normal((d, E)) / np.sqrt(d)).astype(dtype) for d in (E, kdim, vdim)
+    )
     W_o = (rng.standard_normal((E, E)) / np.sqrt(E)).astype(dtype)
-    b = {name: rng.standard_normal(E).astype(dtype) for name in ("b_q", "b_k", "b_v", "b_o")} if bias else {}
+    names = ("b_q", "b_k", "b_v", "b_o") if bias else ()
+    b = {name: rng.standard_normal(E).astype(dtype) for name in names}
     ours = MultiHeadAttention(W_q, W_k, W_v, W_o, n_heads=n_heads, **b)
 
     theirs = torch.nn.MultiheadAttention(
@@ -310,7 +353,9 @@ def run_torch_mha(torch, mha, xq, xk, xv, **kwargs):
     t = lambda a: None if a is None else torch.from_numpy(np.array(a, copy=True))  # noqa: E731
     kwargs = {key: t(val) for key, val in kwargs.items()}
     with torch.no_grad():
-        out, weights = mha(t(xq), t(xk), t(xv), need_weights=True, average_attn_weights=False, **kwargs)
+        out, weights = mha(
+            t(xq), t(xk), t(xv), need_weights=True, average_attn_weights=False, **kwargs
+        )
     return out.numpy(), weights.numpy()
 
 

@@ -8,8 +8,9 @@ positive argument and cannot overflow. Two edge cases get exact answers instead 
 * a slice that contains ``+inf`` puts all its mass, shared equally, on the ``+inf`` entries
   (the limit of softmax as those entries grow).
 
-NaN inputs propagate as NaN. float16 is computed in float32 and returned as float16; integer
-and bool inputs are computed and returned in float64.
+A NaN makes its whole slice NaN (softmax, log-softmax and log-sum-exp alike). None of these
+cases raises a floating-point warning. float16 is computed in float32 and returned as float16;
+integer and bool inputs are computed and returned in float64.
 """
 
 from __future__ import annotations

@@ -52,12 +52,19 @@ BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 512}
 
 SKIPPED, PARTIAL, FULL = 0, 1, 2  # what the band does to a tile
 
+# Lazy rescaling: a row keeps its shift m while its scores stay below m + LAZY_MARGIN, so most
+# tiles need neither a row-maximum pass nor a rescaling of the accumulator. A tile is accepted
+# when every row sum of exp(scores - m) is at most LAZY_BOUND, which bounds each term.
+LAZY_MARGIN = 20.0
+LAZY_BOUND = float(np.exp(LAZY_MARGIN))
+
 
 @dataclass
 class TileStats:
     """Counters filled by :func:`attention_tiled` when asked (a test and teaching hook)."""
 
     computed: int = 0  # tiles whose scores were computed
+    rescaled: int = 0  # computed tiles that moved the shift m (each unit's first tile, at least)
     skipped_band: int = 0  # tiles never visited: entirely outside the causal/window band
     skipped_mask: int = 0  # tiles dropped because the boolean mask disallows all of them
     per_worker: list = field(default_factory=list)
@@ -74,17 +81,23 @@ def _tile_kind(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> int:
     return PARTIAL
 
 
-def _key_block_range(t0: int, t1: int, S: int, block_k: int, offset: int, lo, hi):
-    """Indices ``(first, stop)`` of the key blocks that the band allows for queries ``t0:t1``.
+def _band_keys(t0: int, t1: int, S: int, offset: int, lo, hi) -> tuple[int, int]:
+    """Keys ``start:stop`` that the band allows to at least one of the queries ``t0:t1``.
 
     The rows of the band are intervals ``[i + o + lo, i + o + hi]`` that shift by one key per
     query and never cross (``lo <= hi``), so their union over the block is one interval.
     """
-    first_key = 0 if lo is None else max(0, t0 + offset + lo)
-    last_key = S - 1 if hi is None else min(S - 1, t1 - 1 + offset + hi)
-    if first_key > last_key:
+    start = 0 if lo is None else max(0, t0 + offset + lo)
+    stop = S if hi is None else min(S, t1 + offset + hi)
+    return start, max(start, stop)
+
+
+def _key_block_range(t0: int, t1: int, S: int, block_k: int, offset: int, lo, hi):
+    """Indices ``(first, stop)`` of the key blocks that the band allows for queries ``t0:t1``."""
+    start, stop = _band_keys(t0, t1, S, offset, lo, hi)
+    if start == stop:
         return 0, 0
-    return first_key // block_k, last_key // block_k + 1
+    return start // block_k, -(-stop // block_k)
 
 
 def tile_map(
@@ -230,7 +243,7 @@ class _Plan:
     """Everything a worker needs, as views shaped ``(*outer, F, ...)`` or ``(*outer, ...)``."""
 
     q: np.ndarray  # (*outer, F, T, Dk)
-    k: np.ndarray  # (*outer, S, Dk), 2-D slices C-contiguous
+    k1: np.ndarray  # (*outer, S, Dk + 1): keys with a column of ones
     v1: np.ndarray  # (*outer, S, Dv + 1): values with a column of ones
     allowed: np.ndarray | None  # (*outer, F, T, S) bool view, or None
     bias: np.ndarray | None  # (*outer, F, T, S) view, or None
@@ -286,7 +299,9 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
             return np.broadcast_to(a, (*outer, 1, S, last))[..., 0, :, :]
         return np.broadcast_to(a, (*bs, S, last))
 
-    key = np.ascontiguousarray(problem.key)
+    k1 = np.empty((*problem.key.shape[:-1], Dk + 1), dtype=dtype)
+    k1[..., :Dk] = problem.key
+    k1[..., Dk] = 1
     v1 = np.empty((*problem.value.shape[:-1], Dv + 1), dtype=dtype)
     v1[..., :Dv] = problem.value
     v1[..., Dv] = 1
@@ -302,7 +317,7 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
     lo, hi = problem.band
     return _Plan(
         q=rows_view(problem.query, Dk),
-        k=keys_view(key, Dk),
+        k1=keys_view(k1, Dk + 1),
         v1=keys_view(v1, Dv + 1),
         allowed=allowed,
         bias=bias,
@@ -331,18 +346,16 @@ class _Worker:
         rows = p.F * p.block_q
         bk = min(p.block_k, p.S)
         self.plan = p
-        self.q = np.empty(rows * p.Dk, dtype=p.dtype)
+        self.q = np.empty(rows * (p.Dk + 1), dtype=p.dtype)
         self.s = np.empty(rows * bk, dtype=p.dtype)  # scores, then exp(scores - m), in place
         self.pv = np.empty(rows * (p.Dv + 1), dtype=p.dtype)
         self.acc = np.empty(rows * (p.Dv + 1), dtype=p.dtype)
         self.m = np.empty(rows, dtype=p.dtype)
-        self.m_new = np.empty(rows, dtype=p.dtype)
-        self.alpha = np.empty(rows, dtype=p.dtype)
         self.masked = np.empty(rows * bk, dtype=bool) if p.allowed is not None else None
         self.band_cache: dict = {}
         self.computed = 0
         self.skipped_mask = 0
-        self.lowest = -np.finfo(p.dtype).max
+        self.rescaled = 0
 
     def band_masked(self, t0, t1, s0, s1):
         """Boolean (t1-t0, s1-s0) tile, True where the band *disallows*; cached by geometry."""
@@ -366,21 +379,29 @@ class _Worker:
         p = self.plan
         F, Dk, Dv, bq = p.F, p.Dk, p.Dv, t1 - t0
         rows = F * bq
-        # (F, bq, Dk) -> (F*bq, Dk): the folded heads' query rows, scaled once.
-        q = self.q[: rows * Dk].reshape(rows, Dk)
-        np.multiply(p.q[o][:, t0:t1, :], p.scale, out=q.reshape(F, bq, Dk))
-        keys, v1 = p.k[o], p.v1[o]  # (S, Dk), (S, Dv + 1)
+        # q = [query * scale | -m]: (rows, Dk + 1), the folded heads' rows one under the other.
+        # Against keys with a column of ones, [k | 1], one product gives the scores minus the
+        # running shift m, so no separate pass subtracts it.
+        q = self.q[: rows * (Dk + 1)].reshape(rows, Dk + 1)
+        np.multiply(p.q[o][:, t0:t1, :], p.scale, out=q.reshape(F, bq, Dk + 1)[..., :Dk])
+        q[:, Dk] = 0
+        k1, v1 = p.k1[o], p.v1[o]  # (S, Dk + 1), (S, Dv + 1)
         allowed = None if p.allowed is None else p.allowed[o]
         bias = None if p.bias is None else p.bias[o]
-        may_mask = allowed is not None or bias is not None or p.lo is not None or p.hi is not None
-        m, m_new, alpha = self.m[:rows], self.m_new[:rows], self.alpha[:rows]
+        m = self.m[:rows]  # the shift of each row; 0 until the row has met an allowed key
+        m.fill(0)
+        started = np.zeros(rows, dtype=bool)  # rows that have met an allowed key
+        all_started = False
         acc = self.acc[: rows * (Dv + 1)].reshape(rows, Dv + 1)
         pv = self.pv[: rows * (Dv + 1)].reshape(rows, Dv + 1)
-        m.fill(-np.inf)
         acc.fill(0)
         first, stop = _key_block_range(t0, t1, p.S, p.block_k, p.offset, p.lo, p.hi)
+        key_start, key_stop = _band_keys(t0, t1, p.S, p.offset, p.lo, p.hi)
         for b in range(first, stop):
-            s0, s1 = b * p.block_k, min(p.S, (b + 1) * p.block_k)
+            # The tile's keys, trimmed to the keys the band allows to some query of the block
+            # (under a causal mask the last tile of a row of tiles stops at the diagonal).
+            s0 = max(b * p.block_k, key_start)
+            s1 = min((b + 1) * p.block_k, key_stop)
             bk = s1 - s0
             kind = _tile_kind(t0, t1, s0, s1, p.offset, p.lo, p.hi)
             assert kind != SKIPPED, "the key-block range holds only tiles the band touches"
@@ -397,40 +418,57 @@ class _Worker:
                 masked = self.band_masked(t0, t1, s0, s1)
             self.computed += 1
             s = self.s[: rows * bk].reshape(rows, bk)
-            np.matmul(q, keys[s0:s1].T, out=s)  # (rows, Dk) @ (Dk, bk) -> (rows, bk)
-            if bias is not None:
-                s3 = s.reshape(F, bq, bk)
-                np.add(s3, bias[:, t0:t1, s0:s1], out=s3)
-            if masked is not None:
-                np.copyto(s.reshape(F, bq, bk), -np.inf, where=masked)
-            np.max(s, axis=1, out=m_new)
-            np.maximum(m_new, m, out=m_new)
-            if may_mask:
-                # A row with no allowed key yet has m_new = -inf; shift it by the lowest finite
-                # number instead, so exp(-inf - shift) = 0 rather than exp(nan).
-                np.maximum(m_new, self.lowest, out=m_new)
-            np.subtract(m, m_new, out=alpha)  # <= 0; -inf on a row's first block
-            np.exp(alpha, out=alpha)  # rescaling of the old sums
-            np.subtract(s, m_new[:, None], out=s)
-            np.exp(s, out=s)  # p = exp(scores - m_new), in [0, 1]
-            np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Dv+1) -> (rows, Dv+1)
+            self.scores_minus_m(s, q, k1[s0:s1], bias, masked, t0, t1, s0, s1)
+            if all_started:
+                # The common case: exp(scores - m) at the current shift. It is exact as long as
+                # no score exceeds m by more than LAZY_MARGIN (then nothing overflows and
+                # l >= 1), which the tile's row sums, a by-product of the second product, prove.
+                np.exp(s, out=s)
+                np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Dv+1) -> (rows, Dv+1)
+                if pv[:, Dv].max() <= LAZY_BOUND:
+                    acc += pv  # acc[:, :Dv] += p @ v;  acc[:, Dv] = l += rowsum(p)
+                    continue
+                self.scores_minus_m(s, q, k1[s0:s1], bias, masked, t0, t1, s0, s1)
+            # Move the shift: a row that has met keys before moves up to its new maximum when
+            # that is higher (rescaling its sums by alpha = exp(m - m_new)); a row meeting its
+            # first allowed key starts at that tile's maximum.
+            self.rescaled += 1
+            r = np.max(s, axis=1)  # max(scores) - m per row; -inf where nothing is allowed
+            meets = np.isfinite(r)
+            delta = np.where(started, np.maximum(r, 0), np.where(meets, r, 0))
+            alpha = np.where(started, np.exp(-delta), 0)
+            np.subtract(s, delta[:, None], out=s)
+            np.exp(s, out=s)  # p = exp(scores - m_new), at most 1
+            np.matmul(s, v1[s0:s1], out=pv)
             acc *= alpha[:, None]
-            acc += pv  # acc[:, :Dv] = sum p v;  acc[:, Dv] = l = sum p
-            m, m_new = m_new, m
-        # out = acc / l and lse = m + log l; rows that saw no allowed key have l = 0.
+            acc += pv
+            m += delta
+            np.negative(m, out=q[:, Dk])
+            started |= meets
+            all_started = bool(started.all())
+        # out = acc / l and lse = m + log l; rows that never met an allowed key have l = 0.
         ell = acc[:, Dv]
         seen = ell > 0
-        inv = self.alpha[:rows]
-        inv.fill(0)
+        inv = np.zeros(rows, dtype=p.dtype)
         np.divide(1, ell, out=inv, where=seen)
         out = p.out[o][:, t0:t1, :]  # (F, bq, Dv) view of the result
         np.multiply(acc[:, :Dv].reshape(F, bq, Dv), inv.reshape(F, bq, 1), out=out)
-        lse = p.lse[o][:, t0:t1].reshape(rows) if F == 1 else np.empty(rows, dtype=p.dtype)
-        lse.fill(-np.inf)
+        lse = np.full(rows, -np.inf, dtype=p.dtype)
         np.log(ell, out=lse, where=seen)
         np.add(lse, m, out=lse, where=seen)
-        if F > 1:
-            p.lse[o][:, t0:t1] = lse.reshape(F, bq)
+        p.lse[o][:, t0:t1] = lse.reshape(F, bq)
+
+    @staticmethod
+    def scores_minus_m(s, q, k1, bias, masked, t0, t1, s0, s1):
+        """``s = scale * q k^T + bias - m`` on one tile, disallowed entries set to ``-inf``."""
+        np.matmul(q, k1.T, out=s)  # (rows, Dk+1) @ (Dk+1, bk) -> (rows, bk)
+        if bias is not None or masked is not None:
+            F = q.shape[0] // (t1 - t0)
+            s3 = s.reshape(F, t1 - t0, s1 - s0)
+            if bias is not None:
+                np.add(s3, bias[:, t0:t1, s0:s1], out=s3)
+            if masked is not None:
+                np.copyto(s3, -np.inf, where=masked)
 
     def drain(self, units, counter) -> None:
         """Take units from the shared list until it is empty."""
@@ -491,6 +529,7 @@ def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=
         total = n_q * n_k * int(np.prod(outer, dtype=np.int64))
         stats.computed += sum(w.computed for w in workers_)
         stats.skipped_mask += sum(w.skipped_mask for w in workers_)
+        stats.rescaled += sum(w.rescaled for w in workers_)
         stats.skipped_band += total - sum(u[0] for u in units)
         stats.per_worker.append([w.computed for w in workers_])
     bs = problem.batch_shape
