@@ -58,6 +58,7 @@ myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "su
 myst_heading_anchors = 3
 nb_execution_mode = os.environ.get("SDPA_NB_EXECUTION_MODE", "cache")
 nb_execution_raise_on_error = True
+nb_execution_show_tb = True  # print the failing cell's traceback, not only the page's name
 nb_execution_timeout = 180
 nb_render_markdown_format = "myst"
 nb_merge_streams = True

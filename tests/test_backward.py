@@ -354,7 +354,7 @@ def test_auto_tiles_large_problems_only(rng, monkeypatch):
     small = randn(rng, 4, 8, 2)
     attention_backward(randn(rng, 4, 8, 2), small, small, small)
     assert calls == []
-    n = 1024  # 1024 * 1024 scores: the threshold
+    n = 1024  # 1024 * 1024 scores: above the threshold
     big = randn(rng, n, 2)
     attention_backward(randn(rng, n, 2), big, big, big, window=(1, 0))
     assert calls == [1]

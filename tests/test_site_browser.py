@@ -46,8 +46,8 @@ CHROMIUM_ARGS = [
     # Belt and braces: a request to another host is reported below, and cannot leave the machine.
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
-CONCURRENCY = 3  # pages open at once: enough to overlap waiting, few enough for 2 cores
-TIMEOUT_MS = 60_000
+CONCURRENCY = 2  # pages open at once: overlaps waiting without crowding 2 cores
+TIMEOUT_MS = 180_000  # generous: a busy shared machine can be 10 times slower than an idle one
 
 # Raw TeX that MathJax would have replaced: delimiters, commands, and $...$ spans with maths in them.
 RAW_TEX = re.compile(

@@ -23,6 +23,7 @@ from .positional import sinusoidal_positional_encoding
 from .rope import apply_rotary_embedding, rotary_cos_sin
 from .softmax import log_softmax, logsumexp, softmax
 from .softmax_grad import softmax_jacobian, softmax_vjp
+from .tiled import tile_map
 
 __version__ = "0.1.0"
 
@@ -50,4 +51,5 @@ __all__ = [
     "softmax_jacobian",
     "softmax_vjp",
     "split_heads",
+    "tile_map",
 ]

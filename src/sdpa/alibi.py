@@ -52,8 +52,9 @@ def alibi_slopes(n_heads: int) -> np.ndarray:
     -----
     For a head count that is not a power of two, Press et al. take the ``P`` slopes of the
     largest power of two ``P < H``, then the first ``H - P`` slopes at odd positions
-    (``k = 1, 3, 5, ...``) of the sequence for ``2P`` heads. These interleave with the first
-    ``P`` slopes, so the extra heads fill the gaps between them rather than extending the range.
+    (``k = 1, 3, 5, ...``) of the sequence for ``2P`` heads. On a log scale these lie halfway
+    between the first ``P`` slopes, or half a step beyond the steepest, so the extra heads refine
+    the steep (local) end; the gentlest slope stays ``2**-8``.
 
     Examples
     --------

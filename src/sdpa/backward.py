@@ -45,11 +45,12 @@ __all__ = ["scaled_dot_product_attention_backward"]
 
 IMPLEMENTATIONS = ("auto", "reference", "tiled")
 
-# Default tile sizes and the size from which "auto" tiles (elements of the score matrix, all
-# heads together). Chosen by measurement on the development machine; see the gradients chapter.
+# Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, so the few tiles a worker
+# holds at once stay in a 1 MiB L2 cache. "auto" tiles when the forward pass would (see
+# sdpa.tiled.worth_tiling); the fallback threshold counts the scores of all heads together.
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
-AUTO_TILED_MIN_SCORES = 1 << 20
+AUTO_TILED_MIN_SCORES = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,6 +285,16 @@ def _check_block(value, name: str) -> int:
     return int(value)
 
 
+def _worth_tiling(problem: AttentionProblem) -> bool:
+    """Whether ``implementation="auto"`` tiles: the forward pass's rule when it exists."""
+    try:
+        from .tiled import worth_tiling
+    except ImportError:  # pragma: no cover - the tiled forward ships with the package
+        n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
+        return n_scores >= AUTO_TILED_MIN_SCORES
+    return worth_tiling(problem)
+
+
 def _forward_for_backward(problem: AttentionProblem, tiled: bool):
     """``(out, lse)`` of the forward pass in the working dtype and grouped layout."""
     if tiled:
@@ -337,8 +348,8 @@ def scaled_dot_product_attention_backward(
     implementation : {"auto", "reference", "tiled"}, default "auto"
         ``"reference"`` holds the whole ``(..., T, S)`` weight matrix; ``"tiled"`` (the
         FlashAttention-2 backward) recomputes it tile by tile from ``lse`` and needs memory
-        proportional to ``T + S`` per head; ``"auto"`` tiles when the score matrix of all heads
-        together has at least ``2**20`` entries.
+        proportional to ``T + S`` per head; ``"auto"`` tiles whenever the forward pass would
+        (a score matrix of at least ``2**18`` entries over all heads).
     block_q, block_k : int, optional
         Tile sizes ``Bq`` and ``Bk`` of the tiled path (default 128 and 256).
     num_threads : int, optional
@@ -451,9 +462,8 @@ def scaled_dot_product_attention_backward(
         out = _check_result(out, "out", problem, (T, Dv), "output (..., Hq, T, Dv)")
         lse = _check_result(lse, "lse", problem, (T,), "log-sum-exp (..., Hq, T)")
 
-    if implementation == "auto":
-        n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * T * S
-        implementation = "tiled" if n_scores >= AUTO_TILED_MIN_SCORES else "reference"
+    if implementation == "auto":  # the forward pass's rule, so both passes agree
+        implementation = "tiled" if _worth_tiling(problem) else "reference"
     if implementation == "reference":
         d_q, d_k, d_v = backward_reference(problem, d_out, out, lse)
     else:

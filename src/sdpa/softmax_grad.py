@@ -51,9 +51,10 @@ def softmax_jacobian(x: ArrayLike, axis: int = -1) -> np.ndarray:
     Notes
     -----
     ``J`` is symmetric and each of its rows sums to zero (adding a constant to every logit does
-    not change the softmax). Its eigenvalues lie in ``[0, max_i p_i]``; its Frobenius norm is
-    largest for a uniform ``p`` and tends to zero as ``p`` approaches a one-hot vector, which is
-    what happens when the logits spread far apart. A fully masked slice (every entry ``-inf``)
+    not change the softmax). Its eigenvalues lie in ``[0, max_i p_i]``. Its Frobenius norm is
+    ``sqrt(N - 1) / N`` for a uniform ``p``, ``1/2`` for ``p`` split evenly between two entries,
+    and tends to zero as ``p`` approaches a one-hot vector, which is what happens when the
+    logits spread far apart. A fully masked slice (every entry ``-inf``)
     has ``p = 0`` and a zero Jacobian. float16 is computed in float32 and returned as float16.
 
     Examples

@@ -15,10 +15,17 @@ When a new block raises the maximum from ``m`` to ``m_new``, the old sums are re
 The result equals the formula up to rounding, and the extra memory is a few tiles per worker
 thread instead of ``T * S`` numbers per head.
 
-Three implementation details matter for speed on a CPU:
+What matters for speed on a CPU, where every NumPy call is a full pass over a tile:
 
 * the row sums ``l`` come out of the second matrix product for free: each key block multiplies
   the values with a column of ones appended (``[V | 1]``), so ``acc[:, Dv]`` is ``l``;
+* the shift ``m`` is folded into the first product, ``[q * scale | -m] @ [k | 1]^T``, and it
+  is moved lazily: a row keeps its shift while no term ``exp(score - m)`` can exceed
+  ``exp(LAZY_MARGIN)``, which the tile's row sums (from the second product) prove. Then nothing
+  overflows and ``l >= 1``, so the result is exact to rounding although ``m`` may lag behind
+  the true maximum; only a tile that breaks the bound is recomputed with a new shift (the
+  classical rescaling). Most tiles thus cost two matrix products and one ``exp``: no pass for
+  the row maximum, none for the subtraction, no rescaling of ``acc``;
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
   entirely inside it are not masked; only the blocks the band's edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
@@ -47,8 +54,8 @@ __all__ = ["tile_map"]
 # Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 1 MiB L2 per core); see
 # benchmarks/tune.py. ``BLOCK_ROWS`` is the number of query rows per tile *after* folding the
 # heads of a group, so the tile of scores is at most BLOCK_ROWS x BLOCK_K.
-BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}
-BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 512}
+BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 256}
+BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 256}
 
 SKIPPED, PARTIAL, FULL = 0, 1, 2  # what the band does to a tile
 
@@ -139,15 +146,16 @@ def tile_map(
     Notes
     -----
     The classification is the one :func:`scaled_dot_product_attention` uses with
-    ``implementation="tiled"``, so the map shows exactly the work it skips. Tile ``(a, b)``
+    ``implementation="tiled"``, so the map shows exactly the work it skips (the kernel also
+    trims the keys of each computed tile to those the band allows to some query of its block). Tile ``(a, b)``
     covers queries ``a*Bq : (a+1)*Bq`` and keys ``b*Bk : (b+1)*Bk``.
 
     Examples
     --------
-    A causal mask over 8 x 8 scores in 2 x 2 tiles: the diagonal tiles are masked, the six
-    above it are skipped, which is 6 of 16 tiles (4 of 10 would remain with larger T).
+    A causal mask over 8 x 8 scores in 2 x 2 tiles: the four diagonal tiles are computed and
+    masked, the six above them are never computed:
 
-    >>> from sdpa.tiled import tile_map
+    >>> from sdpa import tile_map
     >>> tile_map(8, 8, block_q=2, block_k=2, is_causal=True)
     array([[1, 0, 0, 0],
            [2, 1, 0, 0],
@@ -183,9 +191,10 @@ def _check_block(value, name: str) -> int:
     return value
 
 
-# Below this many scores (summed over heads) the reference path is faster: the tiled path
-# pays for Python-level loops and thread hand-offs. Measured with benchmarks/tune.py.
-MIN_TILED_SCORES = 1 << 18
+# Below this many scores (summed over heads) the reference path is as fast or faster: the tiled
+# path pays for Python-level loops and thread hand-offs. Measured with benchmarks/tune.py
+# (threshold): the tiled path won from about 1.3e5 scores on, one head or eight.
+MIN_TILED_SCORES = 1 << 17
 
 
 def worth_tiling(problem) -> bool:
@@ -268,15 +277,10 @@ def _fold_axis(problem) -> bool:
     bs = problem.batch_shape
     if not bs or bs[-1] <= 1:
         return False
-    nb = len(bs)
     for a in (problem.key, problem.value):
-        lead = a.shape[:-2]
-        if len(lead) >= 1 and len(lead) == nb and lead[-1] != 1:
+        lead = a.shape[:-2]  # at most len(bs) axes, since bs is their broadcast
+        if len(lead) == len(bs) and lead[-1] != 1:
             return False
-        if len(lead) > nb:  # pragma: no cover - impossible: batch_shape broadcasts them
-            return False
-        if len(lead) < nb:
-            continue  # the axis is absent: broadcast
     return True
 
 
