@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+REQUIRE = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"
 
 FRONT_MATTER = """\
 ---
@@ -80,7 +81,8 @@ FAILING_PAGE = FRONT_MATTER + textwrap.dedent(
 def make_project(tmp_path: Path) -> Path:
     """A project folder with the real conf.py, static files and MathJax, and a tiny package."""
     if not (ROOT / "node_modules" / "mathjax").is_dir():
-        pytest.fail("node_modules is missing: run `make node_modules` (npm ci) first")
+        reason = "MathJax is not installed: run `make node_modules` (npm ci) first"
+        pytest.fail(reason) if REQUIRE else pytest.skip(reason)
     shutil.copy2(ROOT / "conf.py", tmp_path / "conf.py")
     (tmp_path / "node_modules").symlink_to(ROOT / "node_modules", target_is_directory=True)
     book = tmp_path / "book"

@@ -21,7 +21,7 @@ from sdpa import apply_rotary_embedding, rotary_cos_sin
 
 
 def paper_rotation_matrix(position: float, D: int, base: float = 10000.0) -> np.ndarray:
-    """R_{Theta, m} of the RoFormer paper (eq. 15): block-diagonal 2x2 rotations, float64."""
+    """R_{Theta, m} of the RoFormer paper: block-diagonal 2x2 rotations, float64."""
     R = np.zeros((D, D))
     for i in range(1, D // 2 + 1):  # the paper counts pairs from 1
         theta = base ** (-2 * (i - 1) / D)
