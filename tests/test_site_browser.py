@@ -189,7 +189,9 @@ async def _visit(browser, mode: str, page_name: str, url: str) -> list[str]:
                 response = await context.request.get(urljoin(url, href))
                 if response.status != 200 or not await response.body():
                     problems.append(f"download link {href} gives HTTP {response.status}")
-        await page.screenshot(path=str(_shot_path(mode, page_name)), full_page=True)
+        await page.screenshot(
+            path=str(_shot_path(mode, page_name)), full_page=True, timeout=TIMEOUT_MS
+        )
     except PlaywrightError as error:
         problems.append(f"{type(error).__name__}: {error}")
     finally:

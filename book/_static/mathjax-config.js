@@ -9,6 +9,9 @@
   config.loader.paths = Object.assign({}, config.loader.paths, { fonts: "[mathjax]/fonts" });
   config.output = Object.assign({ font: "mathjax-newcm" }, config.output);
   config.options = config.options || {};
+  // In the book's Markdown a $ always opens maths (MyST dollarmath), so text that reaches the
+  // page without passing through MyST (bibliography entries, for instance) follows the same rule.
+  config.tex = Object.assign({ inlineMath: [["\\(", "\\)"], ["$", "$"]], processEscapes: true }, config.tex);
 
   // Browsers refuse to start a Web Worker from a file:// page, and MathJax runs speech and
   // braille in one: with them on, MathJax.startup.promise never resolves. Over http they stay on.
