@@ -9,8 +9,11 @@
   config.loader.paths = Object.assign({}, config.loader.paths, { fonts: "[mathjax]/fonts" });
   config.output = Object.assign({ font: "mathjax-newcm" }, config.output);
   config.options = config.options || {};
-  // In the book's Markdown a $ always opens maths (MyST dollarmath), so text that reaches the
-  // page without passing through MyST (bibliography entries, for instance) follows the same rule.
+  // MyST marks each page "mathjax_ignore" and lets MathJax into the elements it typeset itself
+  // (processHtmlClass). Bibliography entries come from BibTeX, where $...$ is maths: let MathJax
+  // into them too, and accept $ as a delimiter (a literal dollar there is written \$).
+  const process = config.options.processHtmlClass || "tex2jax_process|mathjax_process|math|output_area";
+  config.options.processHtmlClass = process + "|citation";
   config.tex = Object.assign({ inlineMath: [["\\(", "\\)"], ["$", "$"]], processEscapes: true }, config.tex);
 
   // Browsers refuse to start a Web Worker from a file:// page, and MathJax runs speech and
