@@ -13,7 +13,10 @@ For every case, one head of width 64 unless stated, inputs with unit-normal entr
   machine's matrix-multiply peak, measured here with NumPy's BLAS on all cores;
 * peak memory beyond inputs and output (tracemalloc for NumPy, peak RSS for torch);
 * the largest absolute error against an extended-precision (``np.longdouble``) evaluation of
-  128 query rows spread over the sequence, for ours and for torch.
+  128 query rows spread over the sequence, for ours and for torch;
+* where the time goes: on one core, the CPU time of torch, of ours, and of ours with the
+  elementwise exponential replaced by a multiplication, which bounds what any rearrangement of
+  the NumPy calls around NumPy's own ``exp`` could gain.
 
 The implementations are timed interleaved, round after round, with a pause between calls:
 OpenBLAS and torch worker threads keep spinning for about 0.1 s after a call and slow down
@@ -246,6 +249,72 @@ def run_case(case, torch, peaks, idle) -> dict:
     return result
 
 
+def time_split(torch, n=4096, rounds=5) -> list[dict]:
+    """Where the time goes, on one core: torch, ours, and ours with the exponential removed.
+
+    Both libraries run on the calling thread (``torch.set_num_threads(1)``, BLAS held to one
+    thread, ``workers=1``), so ``time.thread_time`` measures their CPU time and other processes
+    on the machine disturb it little. The third variant swaps the kernel's elementwise
+    exponential for a multiplication (its results are wrong; only its time matters): what is
+    left is the matrix products and the bookkeeping, which is what a faster exponential could
+    at best reduce our time to.
+    """
+    from threadpoolctl import threadpool_limits
+
+    from sdpa import tiled
+    from sdpa.attention import prepare_attention
+
+    def no_exp(x, out):
+        return np.multiply(x, 0.0, out=out)
+
+    rows = []
+    threads = None if torch is None else torch.get_num_threads()
+    try:
+        if torch is not None:
+            torch.set_num_threads(1)
+        for dtype in ("float32", "float64"):
+            rng = np.random.default_rng(1)
+            q, k, v = (rng.standard_normal((1, 1, n, D)).astype(dtype) for _ in range(3))
+            problem = prepare_attention(q, k, v)
+
+            def ours():
+                tiled.attention_tiled(problem, workers=1)
+
+            def ours_no_exp():
+                tiled._tile_exp = no_exp
+                try:
+                    tiled.attention_tiled(problem, workers=1)
+                finally:
+                    tiled._tile_exp = np.exp
+
+            impls = {"ours": ours, "ours without exp": ours_no_exp}
+            if torch is not None:
+                tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+
+                def run_torch():
+                    with torch.no_grad():
+                        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+
+                impls["torch"] = run_torch
+            times = {name: [] for name in impls}
+            with threadpool_limits(1, user_api="blas"):
+                for f in impls.values():
+                    f()
+                for _ in range(rounds):
+                    for name, f in impls.items():
+                        start = time.thread_time()
+                        f()
+                        times[name].append(time.thread_time() - start)
+            row = {"dtype": dtype, "n": n, "cpu": {k: statistics.median(t) for k, t in times.items()}}
+            print(f"one core, {dtype}, n={n}: " + ", ".join(
+                f"{k} {fmt_time(t)}" for k, t in row["cpu"].items()), flush=True)
+            rows.append(row)
+    finally:
+        if torch is not None:
+            torch.set_num_threads(threads)
+    return rows
+
+
 def geomean(xs):
     xs = [x for x in xs if x is not None]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
@@ -341,6 +410,27 @@ def markdown(report) -> str:
     lines += ["", "## Summary (geometric means)", ""]
     for key, value in report["summary"].items():
         lines.append(f"- {key}: {fmt(value, '.3f')}")
+    split = report.get("time_split")
+    if split:
+        lines += [
+            "",
+            "## Where the time goes (one core, CPU time, no mask)",
+            "",
+            "torch and ours on one thread each; \"ours without exp\" is our kernel with its",
+            "elementwise exponential replaced by a multiplication (wrong results, timing only).",
+            "",
+            "| dtype | n | torch | ours | ours without exp | ours/torch | without exp/torch | exp share of ours |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in split:
+            c = r["cpu"]
+            t = c.get("torch")
+            lines.append(
+                f"| {r['dtype']} | {r['n']} | {fmt_time(t) if t else 'n/a'} | {fmt_time(c['ours'])} "
+                f"| {fmt_time(c['ours without exp'])} | {fmt(c['ours'] / t if t else None, '.2f')} "
+                f"| {fmt(c['ours without exp'] / t if t else None, '.2f')} "
+                f"| {1 - c['ours without exp'] / c['ours']:.0%} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -391,6 +481,7 @@ def main(argv=None) -> int:
         r["peak_share"] = {k: g / report["peaks"][r["dtype"]] for k, g in r["gflops"].items()}
     report["results"] = results
     report["summary"] = summarise(results)
+    report["time_split"] = time_split(torch, n=QUICK_NS[-1] if args.quick else 4096)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "quick" if args.quick else "latest"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -65,6 +65,17 @@ SKIPPED, PARTIAL, FULL = 0, 1, 2  # what the band does to a tile
 LAZY_MARGIN = 20.0
 LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 
+# The values travel with a column of ones (their product with the probabilities is the row sum
+# l) and zeros up to a multiple of this width: BLAS kernels work on panels of 4 or 8 columns, and
+# a product with Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32).
+VALUE_WIDTH_MULTIPLE = 8
+
+# The elementwise exponential of the tiles, NumPy's own. It is the one pass over each tile that no
+# trick removes, and NumPy's exp costs far more than a compiled kernel's vectorised one; the
+# benchmark (benchmarks/run.py, "where the time goes") swaps it for a multiplication to measure
+# that share. Nothing else should touch it.
+_tile_exp = np.exp
+
 
 @dataclass
 class TileStats:
@@ -253,7 +264,7 @@ class _Plan:
 
     q: np.ndarray  # (*outer, F, T, Dk)
     k1: np.ndarray  # (*outer, S, Dk + 1): keys with a column of ones
-    v1: np.ndarray  # (*outer, S, Dv + 1): values with a column of ones
+    v1: np.ndarray  # (*outer, S, Wv): values, a column of ones, zeros up to the width Wv
     allowed: np.ndarray | None  # (*outer, F, T, S) bool view, or None
     bias: np.ndarray | None  # (*outer, F, T, S) view, or None
     out: np.ndarray  # (*outer, F, T, Dv), written by the workers
@@ -266,6 +277,7 @@ class _Plan:
     S: int
     Dk: int
     Dv: int
+    Wv: int
     F: int
     block_q: int
     block_k: int
@@ -306,7 +318,8 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
     k1 = np.empty((*problem.key.shape[:-1], Dk + 1), dtype=dtype)
     k1[..., :Dk] = problem.key
     k1[..., Dk] = 1
-    v1 = np.empty((*problem.value.shape[:-1], Dv + 1), dtype=dtype)
+    Wv = -(-(Dv + 1) // VALUE_WIDTH_MULTIPLE) * VALUE_WIDTH_MULTIPLE
+    v1 = np.zeros((*problem.value.shape[:-1], Wv), dtype=dtype)
     v1[..., :Dv] = problem.value
     v1[..., Dv] = 1
     allowed = bias = None
@@ -322,7 +335,7 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
     return _Plan(
         q=rows_view(problem.query, Dk),
         k1=keys_view(k1, Dk + 1),
-        v1=keys_view(v1, Dv + 1),
+        v1=keys_view(v1, Wv),
         allowed=allowed,
         bias=bias,
         out=np.empty((*outer, F, T, Dv), dtype=dtype),
@@ -335,6 +348,7 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
         S=S,
         Dk=Dk,
         Dv=Dv,
+        Wv=Wv,
         F=F,
         block_q=int(block_q),
         block_k=int(block_k),
@@ -352,8 +366,8 @@ class _Worker:
         self.plan = p
         self.q = np.empty(rows * (p.Dk + 1), dtype=p.dtype)
         self.s = np.empty(rows * bk, dtype=p.dtype)  # scores, then exp(scores - m), in place
-        self.pv = np.empty(rows * (p.Dv + 1), dtype=p.dtype)
-        self.acc = np.empty(rows * (p.Dv + 1), dtype=p.dtype)
+        self.pv = np.empty(rows * p.Wv, dtype=p.dtype)
+        self.acc = np.empty(rows * p.Wv, dtype=p.dtype)
         self.m = np.empty(rows, dtype=p.dtype)
         self.masked = np.empty(rows * bk, dtype=bool) if p.allowed is not None else None
         self.band_cache: dict = {}
@@ -389,15 +403,15 @@ class _Worker:
         q = self.q[: rows * (Dk + 1)].reshape(rows, Dk + 1)
         np.multiply(p.q[o][:, t0:t1, :], p.scale, out=q.reshape(F, bq, Dk + 1)[..., :Dk])
         q[:, Dk] = 0
-        k1, v1 = p.k1[o], p.v1[o]  # (S, Dk + 1), (S, Dv + 1)
+        k1, v1 = p.k1[o], p.v1[o]  # (S, Dk + 1), (S, Wv)
         allowed = None if p.allowed is None else p.allowed[o]
         bias = None if p.bias is None else p.bias[o]
         m = self.m[:rows]  # the shift of each row; 0 until the row has met an allowed key
         m.fill(0)
         started = np.zeros(rows, dtype=bool)  # rows that have met an allowed key
         all_started = False
-        acc = self.acc[: rows * (Dv + 1)].reshape(rows, Dv + 1)
-        pv = self.pv[: rows * (Dv + 1)].reshape(rows, Dv + 1)
+        acc = self.acc[: rows * p.Wv].reshape(rows, p.Wv)
+        pv = self.pv[: rows * p.Wv].reshape(rows, p.Wv)
         acc.fill(0)
         first, stop = _key_block_range(t0, t1, p.S, p.block_k, p.offset, p.lo, p.hi)
         key_start, key_stop = _band_keys(t0, t1, p.S, p.offset, p.lo, p.hi)
@@ -427,8 +441,8 @@ class _Worker:
                 # The common case: exp(scores - m) at the current shift. It is exact as long as
                 # no score exceeds m by more than LAZY_MARGIN (then nothing overflows and
                 # l >= 1), which the tile's row sums, a by-product of the second product, prove.
-                np.exp(s, out=s)
-                np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Dv+1) -> (rows, Dv+1)
+                _tile_exp(s, out=s)
+                np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Wv) -> (rows, Wv)
                 if pv[:, Dv].max() <= LAZY_BOUND:
                     acc += pv  # acc[:, :Dv] += p @ v;  acc[:, Dv] = l += rowsum(p)
                     continue
@@ -442,7 +456,7 @@ class _Worker:
             delta = np.where(started, np.maximum(r, 0), np.where(meets, r, 0))
             alpha = np.where(started, np.exp(-delta), 0)
             np.subtract(s, delta[:, None], out=s)
-            np.exp(s, out=s)  # p = exp(scores - m_new), at most 1
+            _tile_exp(s, out=s)  # p = exp(scores - m_new), at most 1
             np.matmul(s, v1[s0:s1], out=pv)
             acc *= alpha[:, None]
             acc += pv
