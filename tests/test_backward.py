@@ -184,9 +184,10 @@ def test_matches_torch_autograd_float64(torch, rng, case, impl):
 @pytest.mark.torch
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize(
-    "name", ["plain", "T>S", "float (1,H,1,S) with -inf", "causal bottom-right T<S",
-             "window (1, 0)", "fully masked rows, bool", "GQA Hq=6 Hkv=2, per-head mask",
-             "broadcast k (1,H,S,Dk), v (B,1,S,Dv)"]
+    "name", ["plain", "T>S", "float (1,H,1,S) with -inf", "causal top-left T>S",
+             "causal bottom-right T<S", "window (1, 0)", "fully masked rows, bool",
+             "fully masked rows, float", "GQA Hq=6 Hkv=2, per-head mask",
+             "broadcast q (H,T,Dk)", "broadcast k (1,H,S,Dk), v (B,1,S,Dv)"]
 )
 def test_matches_torch_autograd_float32(torch, rng, name, impl):
     _, q_shape, k_shape, v_shape, options = next(c for c in CASES if c[0] == name)
@@ -358,6 +359,41 @@ def test_auto_tiles_large_problems_only(rng, monkeypatch):
     big = randn(rng, n, 2)
     attention_backward(randn(rng, n, 2), big, big, big, window=(1, 0))
     assert calls == [1]
+
+
+def test_auto_tiles_exactly_when_the_forward_pass_does(rng, monkeypatch):
+    # Just below and at the forward pass's threshold, with one head, several heads and GQA
+    # (the count is over all heads): the backward pass takes the tiled path iff the forward
+    # pass does.
+    import sdpa.attention
+    import sdpa.backward as backward
+    import sdpa.tiled
+
+    forward_calls, backward_calls = [], []
+    real_forward, real_backward = sdpa.attention.attention_tiled, backward.backward_tiled
+    monkeypatch.setattr(
+        sdpa.attention, "attention_tiled",
+        lambda *a, **kw: forward_calls.append(1) or real_forward(*a, **kw),
+    )
+    monkeypatch.setattr(
+        backward, "backward_tiled",
+        lambda *a, **kw: backward_calls.append(1) or real_backward(*a, **kw),
+    )
+    S_ = 512
+    decisions = []
+    for heads, kv_heads in ((1, 1), (2, 2), (4, 2)):
+        at = -(-sdpa.tiled.MIN_TILED_SCORES // (heads * S_))  # ceil: heads * T * S >= threshold
+        for T_ in (at - 1, at):
+            q, d_out = randn(rng, heads, T_, 2), randn(rng, heads, T_, 3)
+            k, v = randn(rng, kv_heads, S_, 2), randn(rng, kv_heads, S_, 3)
+            opts = dict(enable_gqa=heads != kv_heads, is_causal=True)
+            forward_calls.clear()
+            backward_calls.clear()
+            attention(q, k, v, **opts)
+            attention_backward(d_out, q, k, v, **opts)
+            assert bool(forward_calls) == bool(backward_calls), (heads, kv_heads, T_)
+            decisions.append(bool(backward_calls))
+    assert decisions == [False, True] * 3  # below the threshold: reference; at it: tiled
 
 
 def test_tiled_backward_memory_does_not_grow_with_the_score_matrix(rng):

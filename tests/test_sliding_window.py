@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 
 from sdpa import MultiHeadAttention, scaled_dot_product_attention, sliding_window_mask
-
-HAS_IMPLEMENTATION = "implementation" in inspect.signature(scaled_dot_product_attention).parameters
 
 
 def band_by_loop(T, S, window, *, causal=False, alignment="top_left"):
@@ -126,7 +122,6 @@ def test_receptive_field_grows_by_window_per_layer(rng, L, window):
         np.testing.assert_array_equal(moved, expected, err_msg=f"perturbing input {j}")
 
 
-@pytest.mark.skipif(not HAS_IMPLEMENTATION, reason="the tiled path (implementation=) is not there yet")
 @pytest.mark.parametrize("window", [(0, 0), (37, 3), (None, 64), (300, None)])
 @pytest.mark.parametrize("T,S", [(700, 1100), (1100, 700)])  # several tiles of either side
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])

@@ -45,12 +45,11 @@ __all__ = ["scaled_dot_product_attention_backward"]
 
 IMPLEMENTATIONS = ("auto", "reference", "tiled")
 
-# Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, so the few tiles a worker
-# holds at once stay in a 1 MiB L2 cache. "auto" tiles when the forward pass would (see
-# sdpa.tiled.worth_tiling); the fallback threshold counts the scores of all heads together.
+# Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, half the 512 KiB level-2
+# cache of one core of the machine they were chosen on (AMD EPYC, Zen 3). "auto" tiles exactly when the forward pass would
+# (sdpa.tiled.worth_tiling, which counts the scores of all heads together).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
-AUTO_TILED_MIN_SCORES = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,12 +285,10 @@ def _check_block(value, name: str) -> int:
 
 
 def _worth_tiling(problem: AttentionProblem) -> bool:
-    """Whether ``implementation="auto"`` tiles: the forward pass's rule when it exists."""
-    try:
-        from .tiled import worth_tiling
-    except ImportError:  # pragma: no cover - the tiled forward ships with the package
-        n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
-        return n_scores >= AUTO_TILED_MIN_SCORES
+    """Whether ``implementation="auto"`` tiles: the forward pass's own rule, looked up at call
+    time so that both passes always agree."""
+    from .tiled import worth_tiling
+
     return worth_tiling(problem)
 
 
@@ -348,8 +345,9 @@ def scaled_dot_product_attention_backward(
     implementation : {"auto", "reference", "tiled"}, default "auto"
         ``"reference"`` holds the whole ``(..., T, S)`` weight matrix; ``"tiled"`` (the
         FlashAttention-2 backward) recomputes it tile by tile from ``lse`` and needs memory
-        proportional to ``T + S`` per head; ``"auto"`` tiles whenever the forward pass would
-        (a score matrix of at least ``2**18`` entries over all heads).
+        proportional to ``T + S`` per head; ``"auto"`` tiles exactly when the forward pass
+        would (``sdpa.tiled.worth_tiling``: a score matrix of at least
+        ``sdpa.tiled.MIN_TILED_SCORES`` entries over all heads).
     block_q, block_k : int, optional
         Tile sizes ``Bq`` and ``Bk`` of the tiled path (default 128 and 256).
     num_threads : int, optional

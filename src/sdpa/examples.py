@@ -31,6 +31,14 @@ class WorkedExample:
         Projection weights, multiplied from the right: ``Q = X @ W_q``.
     Q, K, V : (T, D) np.ndarray
         The projected queries, keys and values.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.examples import WorkedExample
+    >>> ex = WorkedExample(tokens=("a", "b"), X=np.eye(2), Q=np.eye(2), K=np.eye(2), V=np.eye(2))
+    >>> ex.W_q is None  # the projections are optional: some sources give only Q, K, V
+    True
     """
 
     tokens: tuple[str, ...]

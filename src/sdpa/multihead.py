@@ -240,6 +240,16 @@ class MultiHeadAttention:
         Returns
         -------
         MultiHeadAttention
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from sdpa import MultiHeadAttention
+        >>> mqa = MultiHeadAttention.random(12, 4, n_kv_heads=1, rng=np.random.default_rng(0))
+        >>> mqa  # multi-query: four query heads share one key/value head
+        MultiHeadAttention(E=12, n_heads=4, n_kv_heads=1, d_k=3, d_v=3, bias=False)
+        >>> mqa.W_q.shape, mqa.W_k.shape, mqa.W_o.shape  # (E, Hq*Dk), (E, Hkv*Dk), (Hq*Dv, E)
+        ((12, 12), (12, 3), (12, 12))
         """
         rng = check_rng(rng)
         d_model = check_nonneg_int(d_model, "d_model")
@@ -319,6 +329,23 @@ class MultiHeadAttention:
         ------
         ValueError
             If an input's last axis does not match its projection.
+
+        Examples
+        --------
+        Cross-attention from 5 target positions to 7 source positions, with a padding mask:
+
+        >>> import numpy as np
+        >>> from sdpa import MultiHeadAttention, padding_mask
+        >>> rng = np.random.default_rng(0)
+        >>> mha = MultiHeadAttention.random(12, 4, rng=rng)  # E=12, Hq=Hkv=4
+        >>> x = rng.standard_normal((2, 5, 12))       # (B, T, E): the queries' inputs
+        >>> memory = rng.standard_normal((2, 7, 12))  # (B, S, E): keys and values
+        >>> mask = padding_mask([7, 4], 7)            # (B, 1, 1, S): True = may attend
+        >>> out, w = mha(x, memory, attn_mask=mask, return_weights=True)
+        >>> out.shape, w.shape  # (B, T, E), (B, Hq, T, S)
+        ((2, 5, 12), (2, 4, 5, 7))
+        >>> bool(np.all(w[1, :, :, 4:] == 0))  # no weight on the padding of sequence 1
+        True
         """
         x_q = as_float_array(query, "query")
         x_k = x_q if key is None else as_float_array(key, "key")

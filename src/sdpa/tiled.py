@@ -51,7 +51,7 @@ import numpy as np
 
 __all__ = ["tile_map"]
 
-# Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 1 MiB L2 per core); see
+# Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core); see
 # benchmarks/tune.py. ``BLOCK_ROWS`` is the number of query rows per tile *after* folding the
 # heads of a group, so the tile of scores is at most BLOCK_ROWS x BLOCK_K.
 BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 256}
