@@ -28,10 +28,8 @@ Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``T`` quer
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from numbers import Integral
 
 import numpy as np
@@ -40,6 +38,7 @@ from numpy.typing import ArrayLike
 from . import attention as _attention
 from ._checks import as_float_array
 from .attention import AttentionProblem, combined_allowed, prepare_attention
+from . import tiled as _tiled
 
 __all__ = ["scaled_dot_product_attention_backward"]
 
@@ -246,29 +245,11 @@ def _run_threaded(task, starts, num_threads, d_q_shape, dtype) -> np.ndarray:
                 return d_q
             task(s0, d_q)
 
-    with _blas_limited(), ThreadPoolExecutor(max_workers=num_threads) as pool:
-        partials = [f.result() for f in [pool.submit(worker) for _ in range(num_threads)]]
+    partials = _tiled.run_in_threads([worker] * num_threads)
     total = partials[0]
     for partial in partials[1:]:
         total += partial
     return total
-
-
-_controller = None
-_controller_lock = threading.Lock()
-
-
-def _blas_limited():
-    """Hold BLAS to one thread while our own threads run (a no-op without threadpoolctl)."""
-    global _controller
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:  # pragma: no cover - threadpoolctl is optional here
-        return contextlib.nullcontext()
-    with _controller_lock:
-        if _controller is None:
-            _controller = ThreadpoolController()  # inspecting the loaded libraries is slow: once
-    return _controller.limit(limits=1, user_api="blas")
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,22 +266,14 @@ def _check_block(value, name: str) -> int:
 
 
 def _worth_tiling(problem: AttentionProblem) -> bool:
-    """Whether ``implementation="auto"`` tiles: the forward pass's own rule, looked up at call
-    time so that both passes always agree."""
-    from .tiled import worth_tiling
-
-    return worth_tiling(problem)
+    """Whether ``implementation="auto"`` tiles: the forward pass's own rule, so both agree."""
+    return _tiled.worth_tiling(problem)
 
 
 def _forward_for_backward(problem: AttentionProblem, tiled: bool):
     """``(out, lse)`` of the forward pass in the working dtype and grouped layout."""
     if tiled:
-        try:
-            from .tiled import attention_tiled
-        except ImportError:  # pragma: no cover - the tiled forward ships with the package
-            pass
-        else:
-            return attention_tiled(problem)  # O(T + S) memory per head, like the backward
+        return _tiled.attention_tiled(problem)  # O(T + S) memory per head, like the backward
     out, _, lse = _attention.attention_reference(problem)
     return out, lse
 

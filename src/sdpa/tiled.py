@@ -41,6 +41,7 @@ Shape letters: ``T`` queries, ``S`` keys, ``Dk``/``Dv`` head widths, ``Bq``/``Bk
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -218,9 +219,8 @@ def worth_tiling(problem) -> bool:
 # Worker threads and BLAS threads
 # ----------------------------------------------------------------------------------------
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 _controller = None
+_controller_lock = threading.Lock()
 
 
 def default_workers() -> int:
@@ -231,26 +231,31 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def _get_pool(n: int) -> ThreadPoolExecutor:
-    """A process-wide pool of worker threads, created on first use (threads idle on a queue)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < n:
-            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="sdpa-tiled")
-        return _pool
-
-
-def _single_threaded_blas():
+def single_threaded_blas():
     """Hold BLAS to one thread for the duration of a call (no-op without threadpoolctl)."""
     global _controller
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:  # pragma: no cover - threadpoolctl is a dependency
         return contextlib.nullcontext()
-    with _pool_lock:
+    with _controller_lock:
         if _controller is None:
             _controller = ThreadpoolController()  # inspecting the loaded libraries is slow: once
     return _controller.limit(limits=1, user_api="blas")
+
+
+def run_in_threads(tasks: list) -> list:
+    """Run each callable in a thread of its own, with BLAS held to one thread; their results.
+
+    The threads are created for the call rather than kept in a pool. Measured on the 2-core
+    benchmark machine, a pool's idle threads, woken together by the calling thread, often
+    shared one core for the first tens of milliseconds (Linux wakes a thread near its waker
+    and balances the load only later), so a 20 ms problem took 30 to 35 ms; new threads are
+    placed on idle cores at once, and creating them costs well under a millisecond.
+    """
+    with single_threaded_blas(), ThreadPoolExecutor(max_workers=len(tasks)) as pool:
+        futures = [pool.submit(task) for task in tasks]
+        return [f.result() for f in futures]
 
 
 # ----------------------------------------------------------------------------------------
@@ -537,11 +542,7 @@ def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=
     if n_workers <= 1:
         workers_[0].drain(work, counter)
     else:
-        with _single_threaded_blas():
-            pool = _get_pool(n_workers)
-            futures = [pool.submit(w.drain, work, counter) for w in workers_]
-            for f in futures:
-                f.result()
+        run_in_threads([functools.partial(w.drain, work, counter) for w in workers_])
     if stats is not None:
         n_k = -(-S // plan.block_k)
         total = n_q * n_k * int(np.prod(outer, dtype=np.int64))
