@@ -279,7 +279,8 @@ def gradcheck(
             worst = np.unravel_index(np.argmax(ranked), got.shape)
             failures.append(
                 f"argument {i}: {int(bad.sum())} of {bad.size} entries differ; worst at index "
-                f"{tuple(int(n) for n in worst)}: analytic {got[worst]!r}, numeric {want[worst]!r}"
+                f"{tuple(int(n) for n in worst)}: analytic {float(got[worst])!r}, "
+                f"numeric {float(want[worst])!r}"
             )
     if failures:
         if raise_exception:
