@@ -36,17 +36,17 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import attention as _attention
+from . import tiled as _tiled
 from ._checks import as_float_array
 from .attention import AttentionProblem, combined_allowed, prepare_attention
-from . import tiled as _tiled
 
 __all__ = ["scaled_dot_product_attention_backward"]
 
 IMPLEMENTATIONS = ("auto", "reference", "tiled")
 
 # Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, half the 512 KiB level-2
-# cache of one core of the machine they were chosen on (AMD EPYC, Zen 3). "auto" tiles exactly when the forward pass would
-# (sdpa.tiled.worth_tiling, which counts the scores of all heads together).
+# cache of one core of the machine they were chosen on (AMD EPYC, Zen 3). "auto" tiles exactly
+# when the forward pass would (sdpa.tiled.worth_tiling, which counts the scores of all heads).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
 
