@@ -100,7 +100,7 @@ nitpick_ignore_regex = [
 # --------------------------------------------------------------------------------------------
 # The execution cache follows the package.
 
-PACKAGE_DIR = ROOT / "src" / "sdpa"
+PACKAGE_DIRS = [ROOT / "src" / "sdpa", ROOT / "src" / "sdpa_book"]
 MATHJAX_DIR = ROOT / "node_modules" / "mathjax"
 MATHJAX_FONT_DIR = ROOT / "node_modules" / "@mathjax" / "mathjax-newcm-font"
 # What the site needs from the npm packages, relative to each package (about 10 MB).
@@ -109,12 +109,13 @@ MATHJAX_FONT_PARTS = ["chtml", "LICENSE"]
 KEEP_OLD_CACHES = 2  # besides the current one, so that switching back and forth stays cheap
 
 
-def package_fingerprint(package_dir: Path = PACKAGE_DIR) -> str:
+def package_fingerprint(package_dirs: list[Path] = PACKAGE_DIRS) -> str:
     """Hash of everything the executed pages depend on besides their own code."""
     digest = hashlib.sha256()
-    for path in sorted(package_dir.rglob("*.py")):
-        digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
+    for package_dir in package_dirs:
+        for path in sorted(package_dir.rglob("*.py")):
+            digest.update(path.relative_to(package_dir.parent).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
     versions = [f"python {sys.version_info[0]}.{sys.version_info[1]}"]
     for dist in ("numpy", "matplotlib"):
         try:
@@ -124,6 +125,9 @@ def package_fingerprint(package_dir: Path = PACKAGE_DIR) -> str:
     digest.update("\n".join(versions).encode())
     return digest.hexdigest()[:16]
 
+
+# The pages' kernels inherit this: sdpa_book.glue stores values for MyST-NB only in the build.
+os.environ["SDPA_BOOK_BUILD"] = "1"
 
 # A changed value marks the configuration as changed, so Sphinx re-reads (and myst-nb
 # re-executes) every page. It is recomputed each time Sphinx loads this file.

@@ -1,0 +1,22 @@
+"""Helpers of the sdpa book: what its pages need besides the attention package itself.
+
+The book's pages import :mod:`sdpa` for everything they teach, and this package for the
+plumbing a reader should not have to read: passing computed values into the prose (:func:`glue`),
+writing tables, timing, the figure style and the diagrams drawn from a page's own arrays. It ships
+in the same wheel as :mod:`sdpa` so that a page downloaded as a notebook runs with nothing else
+installed, but it is the book's module: its functions may change with the book.
+
+Modules
+-------
+display
+    :func:`glue`, :class:`Plain`, :func:`vec`, :func:`markdown_table`.
+timing
+    :func:`best_time`, :func:`loglog_slope`.
+"""
+
+from __future__ import annotations
+
+from .display import Plain, glue, markdown_table, vec
+from .timing import best_time, loglog_slope
+
+__all__ = ["Plain", "best_time", "glue", "loglog_slope", "markdown_table", "vec"]

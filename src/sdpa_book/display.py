@@ -1,0 +1,181 @@
+"""Values for the prose: :func:`glue` and the small formatters the pages glue.
+
+In the book's build (where ``conf.py`` sets ``SDPA_BOOK_BUILD=1`` for the kernels) :func:`glue`
+is MyST-NB's: the value is stored in the notebook's outputs and pasted where a ``{glue}`` role
+names it. Anywhere else (a downloaded notebook in plain Jupyter, a script) MyST-NB is neither
+needed nor imported: a figure or table is displayed where the page would show it, and a plain
+number, which the notebook's text already states, is only returned.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["Plain", "glue", "markdown_table", "vec"]
+
+BUILD_ENV = "SDPA_BOOK_BUILD"
+
+
+def _in_book_build() -> bool:
+    return os.environ.get(BUILD_ENV) == "1"
+
+
+def _is_rich(value) -> bool:
+    """Figures and objects with a rich (HTML, Markdown, image) representation."""
+    if type(value).__name__ == "Figure" and hasattr(value, "savefig"):
+        return True
+    return any(
+        hasattr(value, f"_repr_{kind}_") for kind in ("html", "markdown", "png", "svg")
+    )
+
+
+def glue(name: str, value, display: bool = False):
+    """Record ``value`` under ``name`` for the page's ``{glue}`` roles; return ``value``.
+
+    Parameters
+    ----------
+    name : str
+        The key the page's text uses, for example ``{glue:text}`name:.3f```.
+    value : object
+        A number, a :class:`Plain` text, a table or a Matplotlib figure.
+    display : bool, default False
+        Also show the value where the cell runs (MyST-NB's meaning).
+
+    Returns
+    -------
+    object
+        ``value``, unchanged.
+
+    Raises
+    ------
+    TypeError
+        If ``name`` is not a non-empty string.
+
+    Examples
+    --------
+    Outside the book's build a number is only returned:
+
+    >>> from sdpa_book import glue
+    >>> glue("answer", 42)
+    42
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str; got {name!r}")
+    if _in_book_build():
+        from myst_nb import glue as myst_glue
+
+        myst_glue(name, value, display=display)
+    elif display or _is_rich(value):
+        from IPython.display import display as show
+
+        show(value)
+    return value
+
+
+class Plain:
+    """A text that shows as itself when glued (a glued ``str`` would show with quotes).
+
+    Examples
+    --------
+    >>> from sdpa_book import Plain
+    >>> Plain("(1, 2)")
+    (1, 2)
+    """
+
+    def __init__(self, text: str):
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str; got {type(text).__name__}")
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Plain) and other.text == self.text
+
+    __hash__ = None
+
+
+def vec(a, fmt: str = "{:g}") -> Plain:
+    """A short vector written ``(a, b, c)`` for the prose.
+
+    Examples
+    --------
+    >>> from sdpa_book import vec
+    >>> vec([1.0, 0.5, -2])
+    (1, 0.5, -2)
+    """
+    values = np.ravel(np.asarray(a))
+    return Plain("(" + ", ".join(fmt.format(x) for x in values) + ")")
+
+
+def markdown_table(
+    rows: Sequence[Sequence],
+    header: Sequence[str],
+    *,
+    fmt: str = "{:g}",
+    align: str | None = None,
+):
+    """A Markdown table, shown as a table by Jupyter and by the book.
+
+    Parameters
+    ----------
+    rows : sequence of sequences
+        One sequence of cells per row; numbers are written with ``fmt``, anything else with
+        ``str``.
+    header : sequence of str
+        Column titles; every row must have as many cells.
+    fmt : str, default "{:g}"
+        Format of numeric cells.
+    align : str, optional
+        One letter per column, ``l``, ``c`` or ``r``; default: numbers right, text left.
+
+    Returns
+    -------
+    IPython.display.Markdown
+
+    Raises
+    ------
+    ValueError
+        If a row or ``align`` does not have one entry per column.
+
+    Examples
+    --------
+    >>> from sdpa_book import markdown_table
+    >>> print(markdown_table([["cat", 0.5], ["mat", 0.25]], ["token", "weight"]).data)
+    | token | weight |
+    |:--|--:|
+    | cat | 0.5 |
+    | mat | 0.25 |
+    """
+    from IPython.display import Markdown
+
+    header = [str(h) for h in header]
+    n = len(header)
+    rows = [list(r) for r in rows]
+    for i, row in enumerate(rows):
+        if len(row) != n:
+            raise ValueError(
+                f"every row must have {n} cells, one per header; row {i} has {len(row)}"
+            )
+
+    def is_number(x) -> bool:
+        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+    if align is None:
+        numeric = [bool(rows) and all(is_number(r[c]) for r in rows) for c in range(n)]
+        align = "".join("r" if flag else "l" for flag in numeric)
+    if len(align) != n or set(align) - set("lcr"):
+        raise ValueError(f"align must have one of l, c, r per column ({n}); got {align!r}")
+    rule = {"l": ":--", "c": ":-:", "r": "--:"}
+
+    def cell(x) -> str:
+        text = fmt.format(x) if is_number(x) else str(x)
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return Markdown("\n".join(lines))

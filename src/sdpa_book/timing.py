@@ -1,0 +1,78 @@
+"""Timing for the pages that measure: processor time, best of a few runs, and growth rates.
+
+The book is built on shared machines, so the pages time with :func:`time.process_time` (the
+processor time of this process, which does not count the moments other programs hold the core)
+and state ratios and growth rates, never absolute speeds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["best_time", "loglog_slope"]
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    """The smallest processor time, in seconds, of ``repeats`` calls of ``fn()``.
+
+    Raises
+    ------
+    TypeError
+        If ``fn`` is not callable or ``repeats`` is not an int.
+    ValueError
+        If ``repeats`` is smaller than 1.
+
+    Examples
+    --------
+    >>> from sdpa_book import best_time
+    >>> best_time(lambda: sum(range(1000))) >= 0.0
+    True
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable; got {type(fn).__name__}")
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)):
+        raise TypeError(f"repeats must be an int; got {repeats!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1; got {repeats}")
+    times = []
+    for _ in range(int(repeats)):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return min(times)
+
+
+def loglog_slope(sizes: Sequence[float], values: Sequence[float], *, last: int | None = None) -> float:
+    """The least-squares slope of ``log(values)`` against ``log(sizes)``.
+
+    A cost that grows like ``n ** p`` has slope ``p``. ``last`` keeps only the last points,
+    where fixed overheads matter least.
+
+    Raises
+    ------
+    ValueError
+        If the two sequences differ in length, fewer than two points remain, or a value is not
+        positive.
+
+    Examples
+    --------
+    >>> from sdpa_book import loglog_slope
+    >>> round(loglog_slope([1, 2, 4, 8], [3, 12, 48, 192]), 6)
+    2.0
+    """
+    x = np.asarray(sizes, dtype=float)
+    y = np.asarray(values, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(
+            f"sizes and values must be 1-D of one length; got {x.shape} and {y.shape}"
+        )
+    if last is not None:
+        x, y = x[-last:], y[-last:]
+    if x.size < 2:
+        raise ValueError(f"need at least two points for a slope; got {x.size}")
+    if (x <= 0).any() or (y <= 0).any():
+        raise ValueError("sizes and values must be positive for a log-log slope")
+    return float(np.polyfit(np.log(x), np.log(y), 1)[0])

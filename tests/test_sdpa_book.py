@@ -1,0 +1,90 @@
+"""The book's helpers (sdpa_book): glue inside and outside the build, tables, timing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sdpa_book import Plain, best_time, glue, loglog_slope, markdown_table, vec
+from sdpa_book.display import BUILD_ENV
+
+
+def test_glue_outside_the_build_returns_numbers_without_showing(monkeypatch, capsys):
+    monkeypatch.delenv(BUILD_ENV, raising=False)
+    assert glue("x", 1.5) == 1.5
+    assert capsys.readouterr().out == ""
+
+
+def test_glue_outside_the_build_shows_figures(monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = []
+    monkeypatch.delenv(BUILD_ENV, raising=False)
+    monkeypatch.setattr("IPython.display.display", lambda value: shown.append(value))
+    fig = plt.figure()
+    glue("fig", fig, display=False)
+    plt.close(fig)
+    assert shown == [fig]
+
+
+def test_glue_in_the_build_uses_myst_nb(monkeypatch):
+    myst_nb = pytest.importorskip("myst_nb")
+    calls = []
+    monkeypatch.setenv(BUILD_ENV, "1")
+    monkeypatch.setattr(myst_nb, "glue", lambda name, value, display: calls.append((name, value, display)))
+    assert glue("n", 3) == 3
+    assert calls == [("n", 3, False)]
+
+
+def test_glue_rejects_a_bad_name():
+    with pytest.raises(TypeError, match="name must be a non-empty str; got 3"):
+        glue(3, 1.0)
+
+
+def test_plain_and_vec():
+    assert repr(Plain("a b")) == "a b"
+    assert repr(vec(np.array([[1.0, 0.25]]))) == "(1, 0.25)"
+    with pytest.raises(TypeError, match="text must be a str; got int"):
+        Plain(1)
+
+
+def test_markdown_table_aligns_numbers_right_and_escapes_bars():
+    table = markdown_table([["a|b", 1], ["c", 2.5]], ["name", "value"]).data
+    assert table.splitlines() == ["| name | value |", "|:--|--:|", "| a\\|b | 1 |", "| c | 2.5 |"]
+
+
+def test_markdown_table_rejects_a_short_row():
+    with pytest.raises(ValueError, match="every row must have 2 cells, one per header; row 0 has 1"):
+        markdown_table([[1]], ["a", "b"])
+
+
+def test_markdown_table_rejects_bad_alignment():
+    with pytest.raises(ValueError, match="align must have one of l, c, r per column"):
+        markdown_table([[1, 2]], ["a", "b"], align="lx")
+
+
+def test_loglog_slope_of_power_laws():
+    n = np.array([16.0, 32, 64, 128])
+    assert loglog_slope(n, 3 * n**1.5) == pytest.approx(1.5, abs=1e-12)
+    # last= fits the tail only: a constant then a square
+    assert loglog_slope(n, [5, 5, 64**2, 128**2], last=2) == pytest.approx(2.0, abs=1e-12)
+
+
+def test_loglog_slope_errors():
+    with pytest.raises(ValueError, match="one length"):
+        loglog_slope([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="at least two points"):
+        loglog_slope([1, 2], [1, 2], last=1)
+    with pytest.raises(ValueError, match="must be positive"):
+        loglog_slope([1, 2], [0, 2])
+
+
+def test_best_time_is_the_minimum_and_validates():
+    assert best_time(lambda: None, repeats=2) >= 0.0
+    with pytest.raises(TypeError, match="fn must be callable"):
+        best_time(3)
+    with pytest.raises(ValueError, match="repeats must be at least 1; got 0"):
+        best_time(lambda: None, repeats=0)
+
