@@ -336,11 +336,30 @@ def test_nan_in_a_key_with_a_float_bias_stays_nan(rng):
     assert np.isnan(scaled_dot_product_attention(q, k, v, bias)).all()
 
 
-def test_nan_in_a_masked_out_value_propagates_as_documented(rng):
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_nan_in_a_masked_out_value_does_not_reach_the_output(rng, implementation):
+    # Policy: a position hidden by a bool mask is absent, its value included (PyTorch's math
+    # path spreads it through 0 * nan). Expected: the same call with the value removed.
     q, k, v = randn(rng, T, DK), randn(rng, S, DK), randn(rng, S, DV)
-    v[4] = np.nan
-    out = scaled_dot_product_attention(q, k, v, np.arange(S) != 4)
-    assert np.isnan(out).all()  # 0 * nan = nan in the final matrix product
+    v_nan = v.copy()
+    v_nan[4] = np.nan
+    mask = np.arange(S) != 4
+    out = scaled_dot_product_attention(q, k, v_nan, mask, implementation=implementation)
+    ref = loop_attention_2d(q, np.delete(k, 4, 0), np.delete(v, 4, 0))[0]
+    np.testing.assert_allclose(out, ref, **F64)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_nan_in_a_value_hidden_by_the_causal_mask(rng, implementation):
+    # Issue 9: the reference path gave 3 NaN rows (0 * nan, as PyTorch's math path), the tiled
+    # path none. Policy, both paths: only the rows that may attend the NaN value are NaN.
+    q, k, v = randn(rng, 4, DK), randn(rng, 4, DK), randn(rng, 4, 1)
+    v_nan = v.copy()
+    v_nan[3] = np.nan
+    out = scaled_dot_product_attention(q, k, v_nan, is_causal=True, implementation=implementation)
+    assert np.isnan(out[3]).all()
+    ref = loop_attention(q, k, v, is_causal=True)[0]
+    np.testing.assert_allclose(out[:3], ref[:3], **F64)
 
 
 # --- fully masked rows and empty dimensions ----------------------------------------------------
@@ -381,7 +400,8 @@ def test_no_keys_at_all(dtype):
         k, v = np.ones((B, H, 0, DK), dtype), np.ones((B, H, 0, DV), dtype)
         out, weights, lse = sdpa_all(q, k, v)
     assert out.shape == (B, H, T, DV) and weights.shape == (B, H, T, 0) and lse.shape == (B, H, T)
-    assert out.dtype == weights.dtype == lse.dtype == dtype
+    assert out.dtype == weights.dtype == dtype
+    assert lse.dtype == np.promote_types(dtype, np.float32)  # float16's lse is float32
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, -np.inf)
 
@@ -515,15 +535,18 @@ def test_output_is_a_convex_combination_of_values(rng):
 def test_floating_dtype_is_preserved(dtype, rng):
     q, k, v = (randn(rng, *s).astype(dtype) for s in ((H, T, DK), (H, S, DK), (H, S, DV)))
     out, weights, lse = sdpa_all(q, k, v, rng.random((T, S)) < 0.7, is_causal=True)
-    assert out.dtype == weights.dtype == lse.dtype == dtype
+    assert out.dtype == weights.dtype == dtype
+    assert lse.dtype == np.promote_types(dtype, np.float32)  # float16's lse is float32
 
 
 def test_float16_is_computed_in_float32(rng):
     q, k, v = (randn(rng, *s).astype(np.float16) for s in ((H, T, DK), (H, S, DK), (H, S, DV)))
-    got = sdpa_all(q, k, v)
+    out, weights, lse = sdpa_all(q, k, v)
     expected = sdpa_all(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
-    for g, e in zip(got, expected):
-        np.testing.assert_array_equal(g, e.astype(np.float16))
+    np.testing.assert_array_equal(out, expected[0].astype(np.float16))
+    np.testing.assert_array_equal(weights, expected[1].astype(np.float16))
+    assert lse.dtype == np.float32  # as FlashAttention: float16 overflows beyond 65504
+    np.testing.assert_array_equal(lse, expected[2])
 
 
 def test_float32_matches_float64_reference(rng):

@@ -6,30 +6,61 @@ Every message follows the same pattern: which argument, what was expected, what 
 from __future__ import annotations
 
 import math
+import os
 from numbers import Integral, Real
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "as_array",
     "as_float_array",
     "compute_dtype",
+    "lse_dtype",
     "check_alignment",
+    "check_bool",
+    "check_float_dtype",
+    "check_memory",
+    "check_range",
     "check_window",
     "check_nonneg_int",
 ]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
+MASKED_ARRAY_HINT = "express masked positions with attn_mask (a bool array, True = may attend)"
+
+
+def as_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_HINT) -> np.ndarray:
+    """``np.asarray(x)`` with errors that name the argument.
+
+    A ``numpy.ma.MaskedArray`` raises ``TypeError``: NumPy functions would silently drop its
+    mask. A ragged nested sequence raises ``ValueError`` instead of NumPy's message, which does
+    not say which argument was ragged. ``masked_hint`` says what to pass instead.
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} must not be a numpy.ma.MaskedArray: its mask would be silently ignored; "
+            f"pass the plain array ({name}.data) and {masked_hint}"
+        )
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"{name} must be an array or a rectangular nested sequence of numbers; "
+            f"NumPy could not convert it: {error}"
+        ) from None
+
 
 def as_float_array(x: ArrayLike, name: str) -> np.ndarray:
     """Convert ``x`` to an array, rejecting kinds that attention cannot use.
 
     Floating arrays keep their dtype; integer and bool arrays become float64 (NumPy's rule for
-    ``np.true_divide``). Complex, object, string and datetime arrays raise ``TypeError``.
-    The input is never copied unless a conversion is needed, and never modified.
+    ``np.true_divide``). Complex, object, string and datetime arrays raise ``TypeError``, and
+    so do masked arrays (see :func:`as_array`). The input is never copied unless a conversion
+    is needed, and never modified.
     """
-    arr = np.asarray(x)
+    arr = as_array(x, name)
     kind = arr.dtype.kind
     if kind == "f":
         return arr
@@ -45,6 +76,96 @@ def compute_dtype(*arrays: np.ndarray) -> tuple[np.dtype, np.dtype]:
     out = np.result_type(*arrays)
     work = np.dtype(np.float32) if out == np.float16 else out
     return out, work
+
+
+def lse_dtype(out_dtype: np.dtype) -> np.dtype:
+    """The dtype of a returned log-sum-exp: at least float32 (float16 scores overflow at 65504)."""
+    return np.promote_types(out_dtype, np.float32)
+
+
+def check_bool(value, name: str) -> bool:
+    """Return ``value`` as a ``bool`` if it is one (Python or NumPy), else raise ``TypeError``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
+
+
+def check_float_dtype(dtype, name: str = "dtype") -> np.dtype:
+    """A floating dtype (float16, float32, float64, ...) from anything ``np.dtype`` accepts.
+
+    None is refused (``np.dtype(None)`` would silently mean float64), and so are integer, bool
+    and complex dtypes, which would give all-zero or complex weights.
+    """
+    if dtype is None:
+        raise TypeError(f"{name} must be a floating dtype (float16, float32, float64); got None")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a floating dtype (float16, float32, float64); got {dtype!r}"
+        ) from None
+    if dt.kind != "f":
+        raise TypeError(f"{name} must be a floating dtype (float16, float32, float64); got {dt}")
+    return dt
+
+
+def check_range(x: np.ndarray, dtype: np.dtype, name: str, *, what: str = "entries") -> None:
+    """Raise ``ValueError`` if a finite entry of ``x`` would overflow to infinity in ``dtype``.
+
+    Casting such an entry would silently give ``inf`` (and a NumPy warning); an input that is
+    already infinite is left to the caller's own rules.
+    """
+    dtype = np.dtype(dtype)
+    if x.size == 0 or x.dtype.kind != "f" or np.finfo(x.dtype).max <= np.finfo(dtype).max:
+        return
+    limit = np.finfo(dtype).max
+    with np.errstate(invalid="ignore"):
+        big = np.abs(x) > limit
+    big &= np.isfinite(x)
+    if big.any():
+        worst = x[big][np.argmax(np.abs(x[big]))]
+        raise ValueError(
+            f"{name} {what} must fit in {dtype} (|x| <= {limit:.4g}), the dtype they are "
+            f"computed in; got {float(worst):.4g}, which would become {'-' if worst < 0 else ''}inf"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process (Linux: MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return None
+
+
+def check_memory(nbytes: int, what: str, hint: str = "") -> None:
+    """Raise ``MemoryError`` before allocating ``nbytes`` if they exceed the available memory.
+
+    ``what`` names the allocation and its shape, e.g. ``"the weights of shape (8, 500, 500)"``;
+    ``hint`` says how to avoid it. An allocation that cannot fit would otherwise be attempted,
+    and the system would swap or kill the process; NumPy's own ``MemoryError`` names no argument.
+    """
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise MemoryError(
+            f"{what} need about {_format_bytes(nbytes)} ({nbytes} bytes), more than the "
+            f"{_format_bytes(available)} of memory available" + (f"; {hint}" if hint else "")
+        )
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def check_nonneg_int(value, name: str) -> int:

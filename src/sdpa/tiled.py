@@ -220,7 +220,9 @@ def worth_tiling(problem) -> bool:
 # ----------------------------------------------------------------------------------------
 
 _controller = None
-_controller_lock = threading.Lock()
+_blas_lock = threading.Lock()
+_blas_holders = 0  # calls currently inside single_threaded_blas(), in any thread
+_blas_limiter = None  # the threadpoolctl limiter of the first of them; restored by the last
 
 
 def default_workers() -> int:
@@ -231,17 +233,35 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+@contextlib.contextmanager
 def single_threaded_blas():
-    """Hold BLAS to one thread for the duration of a call (no-op without threadpoolctl)."""
-    global _controller
+    """Hold BLAS to one thread for the duration of a call (no-op without threadpoolctl).
+
+    BLAS's thread count is a setting of the whole process, so overlapping calls from several
+    threads share one limit: the first call to enter saves the setting and limits it, the last
+    to leave restores it. (Each call restoring what it saw on entry would leave BLAS at one
+    thread whenever two calls overlap and the first finishes first.)
+    """
+    global _controller, _blas_holders, _blas_limiter
+    with _blas_lock:
+        if _blas_holders == 0:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+                ThreadpoolController = None
+            if ThreadpoolController is not None:
+                if _controller is None:
+                    _controller = ThreadpoolController()  # inspecting the libraries is slow
+                _blas_limiter = _controller.limit(limits=1, user_api="blas")
+        _blas_holders += 1
     try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
-        return contextlib.nullcontext()
-    with _controller_lock:
-        if _controller is None:
-            _controller = ThreadpoolController()  # inspecting the loaded libraries is slow: once
-    return _controller.limit(limits=1, user_api="blas")
+        yield
+    finally:
+        with _blas_lock:
+            _blas_holders -= 1
+            if _blas_holders == 0 and _blas_limiter is not None:
+                _blas_limiter.restore_original_limits()
+                _blas_limiter = None
 
 
 def run_in_threads(tasks: list) -> list:
@@ -274,6 +294,8 @@ class _Plan:
     bias: np.ndarray | None  # (*outer, F, T, S) view, or None
     out: np.ndarray  # (*outer, F, T, Dv), written by the workers
     lse: np.ndarray  # (*outer, F, T)
+    m: np.ndarray | None  # (*outer, F, T): the final shift of each row, when asked for
+    ell: np.ndarray | None  # (*outer, F, T): the row sums at that shift, when asked for
     scale: float
     offset: int
     lo: int | None
@@ -287,6 +309,8 @@ class _Plan:
     block_q: int
     block_k: int
     dtype: np.dtype
+    may_overflow: bool  # check every tile's scores for overflow (see attention.check_overflow)
+    problem: object  # the AttentionProblem, for error messages
 
 
 def _fold_axis(problem) -> bool:
@@ -295,13 +319,13 @@ def _fold_axis(problem) -> bool:
     if not bs or bs[-1] <= 1:
         return False
     for a in (problem.key, problem.value):
-        lead = a.shape[:-2]  # at most len(bs) axes, since bs is their broadcast
-        if len(lead) == len(bs) and lead[-1] != 1:
+        lead = a.shape[:-2]  # right-aligned with bs, and at most as long
+        if lead and lead[-1] != 1:
             return False
     return True
 
 
-def _make_plan(problem, block_q, block_k) -> _Plan:
+def _make_plan(problem, block_q, block_k, with_stats=False) -> _Plan:
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
     bs = problem.batch_shape
@@ -345,6 +369,8 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
         bias=bias,
         out=np.empty((*outer, F, T, Dv), dtype=dtype),
         lse=np.empty((*outer, F, T), dtype=dtype),
+        m=np.empty((*outer, F, T), dtype=dtype) if with_stats else None,
+        ell=np.empty((*outer, F, T), dtype=dtype) if with_stats else None,
         scale=problem.scale,
         offset=problem.offset,
         lo=lo,
@@ -358,7 +384,17 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
         block_q=int(block_q),
         block_k=int(block_k),
         dtype=dtype,
+        may_overflow=problem.may_overflow,
+        problem=problem,
     )
+
+
+# The shift m of a row is folded into the first matrix product only while |m| is at most this.
+# Folding computes fl(q.k - m) instead of fl(q.k) - m: its rounding error grows with |m|, which
+# costs nothing while m is of the size of the scores (it lags at most LAZY_MARGIN behind their
+# maximum), but a row whose scores are dominated by a large bias (a float mask filled with
+# finfo.min or -1e9) must subtract m separately, as the reference path does, or q.k is lost.
+FOLD_LIMIT = 64.0
 
 
 class _Worker:
@@ -374,6 +410,7 @@ class _Worker:
         self.pv = np.empty(rows * p.Wv, dtype=p.dtype)
         self.acc = np.empty(rows * p.Wv, dtype=p.dtype)
         self.m = np.empty(rows, dtype=p.dtype)
+        self.unfolded = np.empty(rows, dtype=p.dtype)
         self.masked = np.empty(rows * bk, dtype=bool) if p.allowed is not None else None
         self.band_cache: dict = {}
         self.computed = 0
@@ -407,12 +444,16 @@ class _Worker:
         # running shift m, so no separate pass subtracts it.
         q = self.q[: rows * (Dk + 1)].reshape(rows, Dk + 1)
         np.multiply(p.q[o][:, t0:t1, :], p.scale, out=q.reshape(F, bq, Dk + 1)[..., :Dk])
-        q[:, Dk] = 0
+        folded = q[:, Dk]  # -m for the rows whose shift is folded in, 0 for the others
+        folded.fill(0)
         k1, v1 = p.k1[o], p.v1[o]  # (S, Dk + 1), (S, Wv)
         allowed = None if p.allowed is None else p.allowed[o]
         bias = None if p.bias is None else p.bias[o]
         m = self.m[:rows]  # the shift of each row; 0 until the row has met an allowed key
         m.fill(0)
+        unfolded = self.unfolded[:rows]  # m for the rows whose shift is not folded in, else 0
+        unfolded.fill(0)
+        any_unfolded = False
         started = np.zeros(rows, dtype=bool)  # rows that have met an allowed key
         all_started = False
         acc = self.acc[: rows * p.Wv].reshape(rows, p.Wv)
@@ -441,34 +482,43 @@ class _Worker:
                 masked = self.band_masked(t0, t1, s0, s1)
             self.computed += 1
             s = self.s[: rows * bk].reshape(rows, bk)
-            self.scores_minus_m(s, q, k1[s0:s1], bias, masked, t0, t1, s0, s1)
-            if all_started:
+            bias_tile = None if bias is None else bias[:, t0:t1, s0:s1]
+            if all_started and not p.may_overflow:
                 # The common case: exp(scores - m) at the current shift. It is exact as long as
                 # no score exceeds m by more than LAZY_MARGIN (then nothing overflows and
                 # l >= 1), which the tile's row sums, a by-product of the second product, prove.
+                self.scores(s, q, k1[s0:s1], bias_tile, masked, unfolded if any_unfolded else None)
                 _tile_exp(s, out=s)
                 np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Wv) -> (rows, Wv)
                 if pv[:, Dv].max() <= LAZY_BOUND:
                     acc += pv  # acc[:, :Dv] += p @ v;  acc[:, Dv] = l += rowsum(p)
                     continue
-                self.scores_minus_m(s, q, k1[s0:s1], bias, masked, t0, t1, s0, s1)
-            # Move the shift: a row that has met keys before moves up to its new maximum when
-            # that is higher (rescaling its sums by alpha = exp(m - m_new)); a row meeting its
-            # first allowed key starts at that tile's maximum.
+            # The exact step, the online softmax as written: the raw scores (nothing folded in,
+            # so they are rounded exactly as the reference path rounds them), the new maximum
+            # m_new = max(m, rowmax), the old sums rescaled by alpha = exp(m - m_new). A row
+            # meeting its first allowed key starts at that tile's maximum.
             self.rescaled += 1
-            r = np.max(s, axis=1)  # max(scores) - m per row; -inf where nothing is allowed
-            meets = np.isfinite(r)
-            delta = np.where(started, np.maximum(r, 0), np.where(meets, r, 0))
-            alpha = np.where(started, np.exp(-delta), 0)
-            np.subtract(s, delta[:, None], out=s)
+            folded.fill(0)
+            self.scores(s, q, k1[s0:s1], bias_tile, masked, None, check=p.may_overflow)
+            r = np.max(s, axis=1)  # -inf where nothing is allowed
+            meets = r > -np.inf
+            m_new = np.where(started, np.maximum(m, r), np.where(meets, r, 0))
+            alpha = np.where(started, np.exp(m - m_new), 0)  # exp(-inf) = 0: no overflow
+            np.subtract(s, m_new[:, None], out=s)
             _tile_exp(s, out=s)  # p = exp(scores - m_new), at most 1
             np.matmul(s, v1[s0:s1], out=pv)
             acc *= alpha[:, None]
             acc += pv
-            m += delta
-            np.negative(m, out=q[:, Dk])
+            m[:] = m_new
+            small = np.abs(m) <= FOLD_LIMIT  # rows whose shift can be folded in exactly
+            np.negative(m, out=folded)
+            folded[~small] = 0
+            any_unfolded = not small.all()
+            np.copyto(unfolded, m)
+            unfolded[small] = 0
             started |= meets
             all_started = bool(started.all())
+        folded.fill(0)
         # out = acc / l and lse = m + log l; rows that never met an allowed key have l = 0.
         ell = acc[:, Dv]
         seen = ell > 0
@@ -480,16 +530,29 @@ class _Worker:
         np.log(ell, out=lse, where=seen)
         np.add(lse, m, out=lse, where=seen)
         p.lse[o][:, t0:t1] = lse.reshape(F, bq)
+        if p.m is not None:
+            p.m[o][:, t0:t1] = m.reshape(F, bq)
+            p.ell[o][:, t0:t1] = ell.reshape(F, bq)
 
-    @staticmethod
-    def scores_minus_m(s, q, k1, bias, masked, t0, t1, s0, s1):
-        """``s = scale * q k^T + bias - m`` on one tile, disallowed entries set to ``-inf``."""
+    def scores(self, s, q, k1, bias, masked, unfolded, check=False):
+        """``s = scale * q k^T - folded + bias - unfolded`` on one tile (the shift ``m`` of each
+        row is in ``folded`` or in ``unfolded``), disallowed entries set to ``-inf``.
+
+        With ``check``, the raw scores (nothing subtracted) are checked for overflow first.
+        """
         np.matmul(q, k1.T, out=s)  # (rows, Dk+1) @ (Dk+1, bk) -> (rows, bk)
-        if bias is not None or masked is not None:
-            F = q.shape[0] // (t1 - t0)
-            s3 = s.reshape(F, t1 - t0, s1 - s0)
+        if bias is not None or masked is not None or unfolded is not None or check:
+            s3 = s.reshape(self.plan.F, -1, s.shape[1])  # (F, bq, bk)
             if bias is not None:
-                np.add(s3, bias[:, t0:t1, s0:s1], out=s3)
+                np.add(s3, bias, out=s3)
+            if unfolded is not None:
+                np.subtract(s, unfolded[:, None], out=s)
+            if check:
+                from .attention import check_overflow
+
+                check_overflow(
+                    self.plan.problem, s3, None if masked is None else ~masked, bias
+                )
             if masked is not None:
                 np.copyto(s3, -np.inf, where=masked)
 
@@ -497,7 +560,8 @@ class _Worker:
         """Take units from the shared list until it is empty."""
         with np.errstate(all="ignore"):
             # Errors cannot arise here except in the deliberate -inf arithmetic above:
-            # exp(-inf) = 0 and log(0) never reached (masked by ``where``).
+            # exp(-inf) = 0, m - m_new = -inf, and log(0) never reached (masked by ``where``);
+            # overflow is excluded up front or checked (Plan.may_overflow).
             while True:
                 i = next(counter)
                 if i >= len(units):
@@ -505,7 +569,16 @@ class _Worker:
                 self.run(*units[i])
 
 
-def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=None):
+def attention_tiled(
+    problem,
+    *,
+    block_q=None,
+    block_k=None,
+    workers=None,
+    stats=None,
+    return_stats=False,
+    mark=True,
+):
     """The online-softmax tiled path on a prepared problem; returns ``(out, lse)``.
 
     ``out`` has the shape ``(*problem.batch_shape, T, Dv)`` and ``lse`` ``(*batch_shape, T)``,
@@ -514,7 +587,14 @@ def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=
     per tile (default: chosen so that a tile holds about ``BLOCK_ROWS`` rows after folding the
     heads of a group), ``block_k`` the number of keys; ``workers`` the number of threads
     (default: the cores available). ``stats``, a :class:`TileStats`, receives tile counts.
+    With ``return_stats`` the result is ``(out, lse, m, ell)``: ``lse = m + log(ell)`` in two
+    parts, the shift ``m`` (close to the row maximum) and the row sum ``ell`` at that shift,
+    which the backward pass needs when ``lse`` is too large for its rounding to be negligible.
+    Rows reached by a non-finite input are NaN in ``out`` and ``lse`` (not in ``m``, ``ell``)
+    unless ``mark`` is False (the backward pass marks its own).
     """
+    from .attention import mark_poisoned
+
     if block_q is not None:
         block_q = _check_block(block_q, "block_q")
     if block_k is not None:
@@ -524,8 +604,11 @@ def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=
     if S == 0 or T == 0 or 0 in problem.batch_shape:
         out = np.zeros((*problem.batch_shape, T, Dv), dtype=dtype)
         lse = np.full((*problem.batch_shape, T), -np.inf, dtype=dtype)
-        return out, lse
-    plan = _make_plan(problem, block_q, block_k)
+        m, ell = np.zeros_like(lse), np.zeros_like(lse)
+        if mark:
+            out, lse, _ = mark_poisoned(problem, out, lse)
+        return (out, lse, m, ell) if return_stats else (out, lse)
+    plan = _make_plan(problem, block_q, block_k, with_stats=return_stats)
     outer = plan.out.shape[:-3]
     n_q = -(-T // plan.block_q)
     units = []
@@ -552,4 +635,9 @@ def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=
         stats.skipped_band += total - sum(u[0] for u in units)
         stats.per_worker.append([w.computed for w in workers_])
     bs = problem.batch_shape
-    return plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
+    out, lse = plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
+    if mark:
+        out, lse, _ = mark_poisoned(problem, out, lse)
+    if return_stats:
+        return out, lse, plan.m.reshape(*bs, T), plan.ell.reshape(*bs, T)
+    return out, lse
