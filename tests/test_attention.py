@@ -878,10 +878,66 @@ def test_bad_window_raises(window):
         scaled_dot_product_attention(*q_k_v(), window=window)
 
 
-@pytest.mark.parametrize("flag", ["is_causal", "enable_gqa"])
-def test_non_bool_flag_raises(flag):
-    with pytest.raises(TypeError, match=rf"{flag} must be a bool; got 1"):
-        scaled_dot_product_attention(*q_k_v((1, T, DK), (1, S, DK), (1, S, DV)), **{flag: 1})
+@pytest.mark.parametrize("flag", ["is_causal", "enable_gqa", "return_weights", "return_lse"])
+@pytest.mark.parametrize("value", [1, "no", None])
+def test_non_bool_flag_raises(flag, value):
+    # return_weights="no" used to return the weights (a non-empty string is true)
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool; got {value!r}"):
+        scaled_dot_product_attention(*q_k_v((1, T, DK), (1, S, DK), (1, S, DV)), **{flag: value})
+
+
+def test_numpy_bools_are_bools():
+    out = scaled_dot_product_attention(*q_k_v(), is_causal=np.True_, return_lse=np.False_)
+    assert out.shape == (T, DV)
+
+
+def test_a_wrong_rng_raises_even_without_dropout():
+    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator, .* got int"):
+        scaled_dot_product_attention(*q_k_v(), rng=0)
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "attn_mask"])
+def test_masked_arrays_raise_and_point_to_attn_mask(which):
+    # np.asarray drops the mask of a numpy.ma array: the masked entries would be used.
+    args = dict(zip(("query", "key", "value"), q_k_v()))
+    args["attn_mask"] = None
+    data = args[which] if which != "attn_mask" else np.zeros((T, S), dtype=bool)
+    args[which] = np.ma.masked_array(data, mask=np.zeros(data.shape, dtype=bool))
+    hint = "a plain bool array" if which == "attn_mask" else "the plain array, and .* attn_mask"
+    with pytest.raises(TypeError, match=rf"{which} must not be a numpy.ma.MaskedArray: its mask "
+                                        rf"would be silently ignored; pass {hint}"):
+        scaled_dot_product_attention(**args)
+
+
+@pytest.mark.parametrize("which", ["query", "attn_mask"])
+def test_ragged_input_names_the_argument(which):
+    args = dict(zip(("query", "key", "value"), q_k_v()))
+    args[which] = [[0.0, 1.0], [2.0]]
+    with pytest.raises(ValueError, match=rf"^{which} must be an array or a rectangular nested "):
+        scaled_dot_product_attention(**args)
+
+
+def test_none_input_names_the_argument():
+    with pytest.raises(TypeError, match=r"^key must be an array; got None"):
+        scaled_dot_product_attention(np.zeros((T, DK)), None, np.zeros((S, DV)))
+
+
+def test_scale_beyond_the_working_dtype_raises():
+    q = np.zeros((T, DK), np.float32)
+    with pytest.raises(ValueError, match=r"scale must fit in float32, .*; got 1e\+300"):
+        scaled_dot_product_attention(q, q, q, scale=1e300)
+
+
+def test_reference_path_refuses_what_cannot_fit_in_memory():
+    # (2, 10**6, 10**6) float64 weights: 16 TB. Broadcast views cost nothing to pass in.
+    q = np.broadcast_to(np.zeros((1, 1, 4)), (2, 10**6, 4))
+    with pytest.raises(
+        MemoryError,
+        match=r"the reference path's scores and weights of shape \(2, 1000000, 1000000\) in "
+              r"float64 would take about .* TiB \(48000000000000 bytes\), more than the .* "
+              r"available; use implementation='tiled'",
+    ):
+        scaled_dot_product_attention(q, q, q, return_weights=True)
 
 
 @pytest.mark.parametrize("scale", [np.inf, -np.inf, np.nan])

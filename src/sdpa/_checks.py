@@ -21,14 +21,20 @@ __all__ = [
     "check_bool",
     "check_float_dtype",
     "check_memory",
+    "MEMORY_CHECK_BYTES",
     "check_range",
+    "range_error",
     "check_window",
     "check_nonneg_int",
 ]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
-MASKED_ARRAY_HINT = "express masked positions with attn_mask (a bool array, True = may attend)"
+MASKED_ARRAY_HINT = "pass a plain array"
+ATTENTION_MASK_HINT = (
+    "pass the plain array, and the masked positions as attn_mask (a bool array, True = may "
+    "attend)"
+)
 
 
 def as_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_HINT) -> np.ndarray:
@@ -38,10 +44,12 @@ def as_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_HINT) -
     mask. A ragged nested sequence raises ``ValueError`` instead of NumPy's message, which does
     not say which argument was ragged. ``masked_hint`` says what to pass instead.
     """
+    if x is None:
+        raise TypeError(f"{name} must be an array; got None")
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
             f"{name} must not be a numpy.ma.MaskedArray: its mask would be silently ignored; "
-            f"pass the plain array ({name}.data) and {masked_hint}"
+            f"{masked_hint}"
         )
     try:
         return np.asarray(x)
@@ -52,7 +60,7 @@ def as_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_HINT) -
         ) from None
 
 
-def as_float_array(x: ArrayLike, name: str) -> np.ndarray:
+def as_float_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_HINT) -> np.ndarray:
     """Convert ``x`` to an array, rejecting kinds that attention cannot use.
 
     Floating arrays keep their dtype; integer and bool arrays become float64 (NumPy's rule for
@@ -60,7 +68,7 @@ def as_float_array(x: ArrayLike, name: str) -> np.ndarray:
     so do masked arrays (see :func:`as_array`). The input is never copied unless a conversion
     is needed, and never modified.
     """
-    arr = as_array(x, name)
+    arr = as_array(x, name, masked_hint=masked_hint)
     kind = arr.dtype.kind
     if kind == "f":
         return arr
@@ -96,38 +104,43 @@ def check_float_dtype(dtype, name: str = "dtype") -> np.dtype:
     None is refused (``np.dtype(None)`` would silently mean float64), and so are integer, bool
     and complex dtypes, which would give all-zero or complex weights.
     """
+    message = f"{name} must be a floating dtype (float16, float32 or float64); got "
     if dtype is None:
-        raise TypeError(f"{name} must be a floating dtype (float16, float32, float64); got None")
+        raise TypeError(message + "None")
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(
-            f"{name} must be a floating dtype (float16, float32, float64); got {dtype!r}"
-        ) from None
+        raise TypeError(message + repr(dtype)) from None
     if dt.kind != "f":
-        raise TypeError(f"{name} must be a floating dtype (float16, float32, float64); got {dt}")
+        raise TypeError(message + str(dt))
     return dt
 
 
-def check_range(x: np.ndarray, dtype: np.dtype, name: str, *, what: str = "entries") -> None:
+def check_range(x: np.ndarray, dtype, name: str, why: str = "") -> None:
     """Raise ``ValueError`` if a finite entry of ``x`` would overflow to infinity in ``dtype``.
 
-    Casting such an entry would silently give ``inf`` (and a NumPy warning); an input that is
-    already infinite is left to the caller's own rules.
+    Casting such an entry would silently give ``inf`` (with a NumPy warning). ``why`` says why
+    ``dtype`` matters, e.g. ``", the cache's dtype"``. Entries that are already infinite are
+    left to the caller's own rules.
     """
     dtype = np.dtype(dtype)
     if x.size == 0 or x.dtype.kind != "f" or np.finfo(x.dtype).max <= np.finfo(dtype).max:
         return
-    limit = np.finfo(dtype).max
+    limit = float(np.finfo(dtype).max)
     with np.errstate(invalid="ignore"):
-        big = np.abs(x) > limit
-    big &= np.isfinite(x)
+        big = (np.abs(x) > limit) & np.isfinite(x)
     if big.any():
-        worst = x[big][np.argmax(np.abs(x[big]))]
-        raise ValueError(
-            f"{name} {what} must fit in {dtype} (|x| <= {limit:.4g}), the dtype they are "
-            f"computed in; got {float(worst):.4g}, which would become {'-' if worst < 0 else ''}inf"
-        )
+        worst = float(x[big][np.argmax(np.abs(x[big]))])
+        raise range_error(name, dtype, worst, why)
+
+
+def range_error(name: str, dtype, value: float, why: str = "", hint: str = "") -> ValueError:
+    """The uniform message of :func:`check_range`."""
+    limit = float(np.finfo(dtype).max)
+    return ValueError(
+        f"{name} must fit in {np.dtype(dtype)}{why} (|x| <= {limit:.4g}); got {value:.4g}, "
+        f"which would become {'-' if value < 0 else '+'}inf{hint}"
+    )
 
 
 def available_memory() -> int | None:
@@ -145,6 +158,10 @@ def available_memory() -> int | None:
         return None
 
 
+# Below this many bytes an allocation is not checked (reading /proc/meminfo costs ~20 us).
+MEMORY_CHECK_BYTES = 1 << 26
+
+
 def check_memory(nbytes: int, what: str, hint: str = "") -> None:
     """Raise ``MemoryError`` before allocating ``nbytes`` if they exceed the available memory.
 
@@ -152,10 +169,12 @@ def check_memory(nbytes: int, what: str, hint: str = "") -> None:
     ``hint`` says how to avoid it. An allocation that cannot fit would otherwise be attempted,
     and the system would swap or kill the process; NumPy's own ``MemoryError`` names no argument.
     """
+    if nbytes <= MEMORY_CHECK_BYTES:
+        return
     available = available_memory()
     if available is not None and nbytes > available:
         raise MemoryError(
-            f"{what} need about {_format_bytes(nbytes)} ({nbytes} bytes), more than the "
+            f"{what} would take about {_format_bytes(nbytes)} ({nbytes} bytes), more than the "
             f"{_format_bytes(available)} of memory available" + (f"; {hint}" if hint else "")
         )
 

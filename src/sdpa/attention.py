@@ -24,6 +24,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._checks import (
+    ATTENTION_MASK_HINT,
     as_array,
     as_float_array,
     check_alignment,
@@ -35,6 +36,7 @@ from ._checks import (
     check_window,
     compute_dtype,
     lse_dtype,
+    range_error,
 )
 from .masks import alignment_offset, band_limits, band_mask
 from .softmax import softmax_and_lse
@@ -111,7 +113,8 @@ def _check_mask(attn_mask, full_heads_shape: tuple[int, ...], work_dtype: np.dty
     """
     if attn_mask is None:
         return None, None, 0.0
-    mask = as_array(attn_mask, "attn_mask", masked_hint="the masked positions as False in a bool attn_mask")
+    hint = "pass a plain bool array (True = may attend) or float bias"
+    mask = as_array(attn_mask, "attn_mask", masked_hint=hint)
     kind = mask.dtype.kind
     if kind in "iu":
         raise TypeError(
@@ -150,13 +153,11 @@ def _check_mask(attn_mask, full_heads_shape: tuple[int, ...], work_dtype: np.dty
         finite = mask[np.isfinite(mask)]
         lo = finite.min() if finite.size else 0.0
         hi = finite.max() if finite.size else 0.0
-    limit = float(np.finfo(work_dtype).max)
-    if max(-float(lo), float(hi)) > limit:
+    if max(-float(lo), float(hi)) > float(np.finfo(work_dtype).max):
         worst = float(lo) if -float(lo) > float(hi) else float(hi)
-        raise ValueError(
-            f"attn_mask entries must fit in {work_dtype}, the dtype the scores are computed in "
-            f"(|bias| <= {limit:.4g}); got {worst:.4g}, which would become "
-            f"{'-' if worst < 0 else '+'}inf (use -inf to disallow a key)"
+        raise range_error(
+            "attn_mask", work_dtype, worst, ", the dtype the scores are computed in",
+            " (use -inf to disallow a key)",
         )
     return None, mask.astype(work_dtype, copy=False), max(-float(lo), float(hi))
 
@@ -211,9 +212,9 @@ def prepare_attention(
     window=None,
 ) -> AttentionProblem:
     """Validate an attention call and normalise it into an :class:`AttentionProblem`."""
-    q = as_float_array(query, "query")
-    k = as_float_array(key, "key")
-    v = as_float_array(value, "value")
+    q = as_float_array(query, "query", masked_hint=ATTENTION_MASK_HINT)
+    k = as_float_array(key, "key", masked_hint=ATTENTION_MASK_HINT)
+    v = as_float_array(value, "value", masked_hint=ATTENTION_MASK_HINT)
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
             raise ValueError(
@@ -273,7 +274,7 @@ def prepare_attention(
     out_dtype, work_dtype = compute_dtype(q, k, v)
     allowed, bias, bias_bound = _check_mask(attn_mask, full_heads_shape, work_dtype)
     scale = check_scale(scale, Dk)
-    if abs(scale) > np.finfo(work_dtype).max:
+    if abs(scale) > float(np.finfo(work_dtype).max):
         raise ValueError(
             f"scale must fit in {work_dtype}, the dtype the scores are computed in; got {scale!r}"
         )
@@ -444,10 +445,6 @@ def mark_poisoned(problem: AttentionProblem, out, lse, weights=None):
     return out, lse, weights
 
 
-# Below this many bytes the reference path does not ask the system how much memory is free.
-MEMORY_CHECK_BYTES = 1 << 26
-
-
 def attention_reference(
     problem: AttentionProblem,
     dropout_p: float = 0.0,
@@ -465,13 +462,12 @@ def attention_reference(
     n_scores = int(np.prod(problem.scores_shape, dtype=np.int64))
     itemsize = problem.work_dtype.itemsize
     need = n_scores * (3 * itemsize + (8 if dropout_p > 0.0 else 0))  # scores, weights, a copy
-    if need > MEMORY_CHECK_BYTES:
-        check_memory(
-            need,
-            f"the attention scores and weights of shape {problem.scores_shape} in "
-            f"{problem.work_dtype}",
-            "use implementation='tiled' (which never forms them) or smaller inputs",
-        )
+    check_memory(
+        need,
+        f"the reference path's scores and weights of shape {problem.scores_shape} in "
+        f"{problem.work_dtype}",
+        "use implementation='tiled' (which never forms them) or smaller inputs",
+    )
     with overflow_checked(problem):  # an overflow is an error raised below, not a warning
         q = problem.query * problem.work_dtype.type(problem.scale)  # (..., T, Dk), scaled once
         scores = q @ np.swapaxes(problem.key, -1, -2)  # (..., T, Dk) @ (..., Dk, S) -> (..., T, S)

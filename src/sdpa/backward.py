@@ -37,7 +37,7 @@ from numpy.typing import ArrayLike
 
 from . import attention as _attention
 from . import tiled as _tiled
-from ._checks import as_float_array, check_range
+from ._checks import ATTENTION_MASK_HINT, as_float_array, check_range
 from .attention import (
     AttentionProblem,
     check_overflow,
@@ -98,14 +98,14 @@ def _check_result(x, name: str, problem: AttentionProblem, trailing: tuple[int, 
     query rows holding NaN or inf (for ``lse``: NaN or ``+inf``; ``-inf`` marks a fully masked
     row). Those rows are replaced by zeros, and the caller makes their gradients NaN.
     """
-    arr = as_float_array(x, name)
+    arr = as_float_array(x, name, masked_hint=ATTENTION_MASK_HINT)
     expected = _full_shape(problem, trailing)
     if arr.shape != expected:
         raise ValueError(
             f"{name} must have the shape of the forward pass's {what}, {expected}; "
             f"got {name}.shape={arr.shape}"
         )
-    check_range(arr, problem.work_dtype, name)
+    check_range(arr, problem.work_dtype, name, ", the dtype the gradients are computed in")
     arr = _grouped(problem, arr.astype(problem.work_dtype, copy=False), len(trailing))
     bad = np.isnan(arr) | np.isposinf(arr) if trailing == (problem.T,) else ~np.isfinite(arr)
     if len(trailing) == 2:

@@ -150,7 +150,7 @@ def tile_map(
     Raises
     ------
     TypeError
-        If a size is not an integer.
+        If a size is not an integer, or ``is_causal`` is not a bool.
     ValueError
         If a size is negative (tile sizes must be positive), or ``window`` or
         ``causal_alignment`` is invalid.
@@ -174,7 +174,7 @@ def tile_map(
            [2, 2, 1, 0],
            [2, 2, 2, 1]])
     """
-    from ._checks import check_alignment, check_nonneg_int, check_window
+    from ._checks import check_alignment, check_bool, check_nonneg_int, check_window
     from .masks import alignment_offset, band_limits
 
     T = check_nonneg_int(T, "T")
@@ -182,7 +182,7 @@ def tile_map(
     block_q = _check_block(block_q, "block_q")
     block_k = _check_block(block_k, "block_k")
     offset = alignment_offset(T, S, check_alignment(causal_alignment))
-    lo, hi = band_limits(bool(is_causal), check_window(window))
+    lo, hi = band_limits(check_bool(is_causal, "is_causal"), check_window(window))
     n_q, n_k = -(-T // block_q), -(-S // block_k)
     kinds = np.zeros((n_q, n_k), dtype=int)
     for a in range(n_q):
