@@ -1,6 +1,6 @@
-"""Measurements behind the constants of ``sdpa.tiled``: tile sizes and the ``auto`` threshold.
+"""Measurements behind the constants of ``sdpa.tiled``: tile sizes and the ``auto`` rule.
 
-``.venv/bin/python benchmarks/tune.py [tiles|threshold]``
+``.venv/bin/python benchmarks/tune.py [tiles|threshold|auto]``
 
 * ``tiles``: CPU time of one worker thread (``time.thread_time``, BLAS on one thread) for a
   grid of tile sizes at n = 2048, one head of width 64, causal and not. CPU time of a single
@@ -9,6 +9,11 @@
   relative to the current default.
 * ``threshold``: wall time of ``implementation="reference"`` and ``"tiled"`` (all cores)
   interleaved, for small problems, to place ``sdpa.tiled.MIN_TILED_SCORES``.
+* ``auto``: wall time of both paths, interleaved (best of several rounds, which is the least
+  disturbed by other processes), over a grid of head counts, lengths and widths; then a
+  least-squares fit of the cost model of ``sdpa.tiled.estimated_times`` (relative errors,
+  coefficients kept non-negative). Prints the fitted ``REFERENCE_COST`` and ``TILED_COST`` and,
+  for each case, which path the fitted and the current models choose and what that costs.
 """
 
 from __future__ import annotations
@@ -62,9 +67,107 @@ def threshold(rounds=7, idle=0.05):
               f"tiled {til * 1e3:7.2f} ms, tiled/reference {til / ref:.2f}", flush=True)
 
 
+def auto_grid():
+    """(lead, n, d, causal) cases spanning many small heads to few large ones."""
+    cases = []
+    for lead in [(1,), (4,), (16,), (64,), (256,), (1024,), (4096,), (20000,)]:
+        for n in (4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+            scores = int(np.prod(lead)) * n * n
+            if not (2**15 <= scores <= 2**25):
+                continue
+            for d in (8, 64) if n >= 16 else (8,):
+                cases.append((lead, n, d, False))
+            if n >= 256:
+                cases.append((lead, n, 64, True))
+    return cases
+
+
+def _nnls(A, b, iterations=20):
+    """Least squares with non-negative coefficients: refit without those that come out negative."""
+    free = np.ones(A.shape[1], dtype=bool)
+    x = np.zeros(A.shape[1])
+    for _ in range(iterations):
+        x[:] = 0
+        x[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+        if (x >= 0).all():
+            break
+        free &= x > 0
+    return x
+
+
+def auto(rounds=5, idle=0.02, dtype=np.float32):
+    from sdpa.tiled import REFERENCE_COST, TILED_COST, estimated_times, tiling_geometry
+
+    rows = []
+    for lead, n, d, is_causal in auto_grid():
+        q, k, v = (rng.standard_normal((*lead, n, d)).astype(dtype) for _ in range(3))
+        problem = prepare_attention(q, k, v, None, is_causal)
+        times = {"reference": [], "tiled": []}
+        for impl in times:  # warm-up
+            sdpa.scaled_dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
+        for _ in range(rounds):
+            for impl in times:
+                time.sleep(idle)
+                start = time.perf_counter()
+                sdpa.scaled_dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
+                times[impl].append(time.perf_counter() - start)
+        ref, til = (1e6 * min(times[i]) for i in ("reference", "tiled"))
+        units, tiles_, scores, workers = tiling_geometry(problem)
+        matrices = int(np.prod(problem.batch_shape))
+        rows.append(dict(lead=lead, n=n, d=d, causal=is_causal, ref=ref, tiled=til,
+                         matrices=matrices, units=units, tiles=tiles_, scores=scores,
+                         workers=workers, width=2 * d, problem=problem))
+        print(f"{str(lead):9} n={n:5} d={d:3} causal={is_causal!s:5}: reference {ref / 1e3:9.2f} ms,"
+              f" tiled {til / 1e3:9.2f} ms, tiled/reference {til / ref:6.2f}", flush=True)
+
+    # reference = call + matrix * M + scores * (score + score_width * width)
+    A = np.array([[1, r["matrices"], r["matrices"] * r["n"] ** 2,
+                   r["matrices"] * r["n"] ** 2 * r["width"]] for r in rows], dtype=float)
+    b = np.array([r["ref"] for r in rows])
+    ref_fit = _nnls(A / b[:, None], np.ones(len(rows)))
+    # tiled = call + (unit * U + tile * tiles + computed * (score + score_width * width)) / workers
+    A = np.array([[1, r["units"] / r["workers"], r["tiles"] / r["workers"],
+                   r["scores"] / r["workers"], r["scores"] * r["width"] / r["workers"]]
+                  for r in rows], dtype=float)
+    b = np.array([r["tiled"] for r in rows])
+    til_fit = _nnls(A / b[:, None], np.ones(len(rows)))
+    fitted_ref = dict(zip(("call", "matrix", "score", "score_width"), ref_fit))
+    fitted_til = dict(zip(("call", "unit", "tile", "score", "score_width"), til_fit))
+    print("REFERENCE_COST =", {k: float(f"{v:.3g}") for k, v in fitted_ref.items()})
+    print("TILED_COST =", {k: float(f"{v:.3g}") for k, v in fitted_til.items()})
+
+    import sdpa.tiled as tiled_module
+
+    def chosen_over_faster(model_ref, model_til):
+        saved = dict(tiled_module.REFERENCE_COST), dict(tiled_module.TILED_COST)
+        tiled_module.REFERENCE_COST.update(model_ref)
+        tiled_module.TILED_COST.update(model_til)
+        try:
+            out = []
+            for r in rows:
+                est_ref, est_til = estimated_times(r["problem"])
+                took = r["tiled"] if est_til < est_ref else r["ref"]
+                out.append(took / min(r["ref"], r["tiled"]))
+            return out
+        finally:
+            tiled_module.REFERENCE_COST.update(saved[0])
+            tiled_module.TILED_COST.update(saved[1])
+
+    fitted = chosen_over_faster(fitted_ref, fitted_til)
+    current = chosen_over_faster(REFERENCE_COST, TILED_COST)
+    print("chosen/faster, fitted model: worst %.2f; current model: worst %.2f"
+          % (max(fitted), max(current)))
+    for r, f, c in zip(rows, fitted, current):
+        if max(f, c) > 1.05:
+            print(f"  {str(r['lead']):9} n={r['n']:5} d={r['d']:3} causal={r['causal']!s:5}: "
+                  f"fitted {f:.2f}, current {c:.2f}")
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["tiles", "threshold"]
+    what = sys.argv[1:] or ["tiles", "threshold", "auto"]
     if "tiles" in what:
         tiles()
     if "threshold" in what:
         threshold()
+    if "auto" in what:
+        auto()

@@ -362,12 +362,11 @@ def test_auto_tiles_large_problems_only(rng, monkeypatch):
 
 
 def test_auto_tiles_exactly_when_the_forward_pass_does(rng, monkeypatch):
-    # Just below and at the forward pass's threshold, with one head, several heads and GQA
-    # (the count is over all heads): the backward pass takes the tiled path iff the forward
-    # pass does.
+    # Problems on both sides of the forward pass's rule (sdpa.tiled.worth_tiling): one head,
+    # several, GQA, many small heads. The backward pass takes the tiled path iff the forward
+    # pass does, and both decisions occur.
     import sdpa.attention
     import sdpa.backward as backward
-    import sdpa.tiled
 
     forward_calls, backward_calls = [], []
     real_forward, real_backward = sdpa.attention.attention_tiled, backward.backward_tiled
@@ -379,21 +378,19 @@ def test_auto_tiles_exactly_when_the_forward_pass_does(rng, monkeypatch):
         backward, "backward_tiled",
         lambda *a, **kw: backward_calls.append(1) or real_backward(*a, **kw),
     )
-    S_ = 512
-    decisions = []
-    for heads, kv_heads in ((1, 1), (2, 2), (4, 2)):
-        at = -(-sdpa.tiled.MIN_TILED_SCORES // (heads * S_))  # ceil: heads * T * S >= threshold
-        for T_ in (at - 1, at):
-            q, d_out = randn(rng, heads, T_, 2), randn(rng, heads, T_, 3)
-            k, v = randn(rng, kv_heads, S_, 2), randn(rng, kv_heads, S_, 3)
-            opts = dict(enable_gqa=heads != kv_heads, is_causal=True)
-            forward_calls.clear()
-            backward_calls.clear()
-            attention(q, k, v, **opts)
-            attention_backward(d_out, q, k, v, **opts)
-            assert bool(forward_calls) == bool(backward_calls), (heads, kv_heads, T_)
-            decisions.append(bool(backward_calls))
-    assert decisions == [False, True] * 3  # below the threshold: reference; at it: tiled
+    decisions = set()
+    for heads, kv_heads, T_, S_ in ((1, 1, 64, 512), (1, 1, 512, 512), (2, 2, 300, 512),
+                                    (4, 2, 512, 512), (2048, 2048, 8, 8)):
+        q, d_out = randn(rng, heads, T_, 2), randn(rng, heads, T_, 3)
+        k, v = randn(rng, kv_heads, S_, 2), randn(rng, kv_heads, S_, 3)
+        opts = dict(enable_gqa=heads != kv_heads, is_causal=True)
+        forward_calls.clear()
+        backward_calls.clear()
+        attention(q, k, v, **opts)
+        attention_backward(d_out, q, k, v, **opts)
+        assert bool(forward_calls) == bool(backward_calls), (heads, kv_heads, T_, S_)
+        decisions.add(bool(backward_calls))
+    assert decisions == {False, True}
 
 
 def test_tiled_backward_memory_does_not_grow_with_the_score_matrix(rng):

@@ -368,6 +368,55 @@ def test_auto_keeps_the_reference_path_for_weights_dropout_and_small_problems(rn
     assert spy == [(1, 2, 8, 512)]
 
 
+def test_auto_keeps_many_small_heads_on_the_reference_path(rng, spy):
+    # 20000 heads of 4 x 4 scores: 320000 scores, above the old threshold, but 20000 work units
+    # of 16 scores each; the tiled path was 32 times slower than the reference path.
+    q = normal(rng, (20000, 4, 8), np.float32)
+    out = scaled_dot_product_attention(q, q, q)
+    assert spy == []
+    want = scaled_dot_product_attention(q, q, q, implementation="reference")
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize(
+    "shape, mask_shape, kw",
+    [
+        ((2, 3, 300, 16), None, {}),
+        ((1, 2, 700, 8), None, dict(is_causal=True)),
+        ((3, 500, 8), None, dict(window=(100, 0), causal_alignment="bottom_right")),
+        ((2, 4, 90, 8), None, dict(enable_gqa=True)),
+        ((5, 40, 8), (5, 40, 40), {}),
+    ],
+)
+def test_tiling_geometry_counts_what_the_kernel_visits(rng, monkeypatch, shape, mask_shape, kw):
+    # The counts behind the "auto" rule, against the kernel's own counters.
+    import sdpa.tiled
+    from sdpa.tiled import tiling_geometry
+
+    runs = []
+    real_run = sdpa.tiled._Worker.run
+    monkeypatch.setattr(
+        sdpa.tiled._Worker, "run", lambda self, *a: runs.append(a) or real_run(self, *a)
+    )
+    q = normal(rng, shape)
+    k = normal(rng, shape[:-3] + (shape[-3] // 2,) + shape[-2:]) if kw.get("enable_gqa") else q
+    mask = None if mask_shape is None else np.ones(mask_shape, dtype=bool)
+    is_causal = kw.pop("is_causal", False)
+    problem = prepare_attention(q, k, k, mask, is_causal, **kw)
+    units, tiles, scores, workers = tiling_geometry(problem)
+    stats = TileStats()
+    attention_tiled(problem, stats=stats)
+    assert tiles == stats.computed
+    assert units == len(runs)
+    assert workers == min(sdpa.tiled.default_workers(), units)
+    # scores: the entries of the computed tiles, trimmed to the band's keys (independent sum)
+    band = np.ones((problem.T, problem.S), dtype=bool)
+    if is_causal or kw.get("window"):
+        band = problem.band_mask()
+    heads = int(np.prod(problem.batch_shape))
+    assert scores >= heads * int(band.sum())
+
+
 def test_implementation_errors(rng):
     q = normal(rng, (4, 3))
     with pytest.raises(ValueError, match="implementation must be 'auto', 'reference' or 'tiled'"):

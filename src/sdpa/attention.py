@@ -557,9 +557,13 @@ def scaled_dot_product_attention(
         ``"reference"`` evaluates the formula as written, holding the ``(..., T, S)`` scores.
         ``"tiled"`` is the memory-efficient path (the online softmax of FlashAttention-2, in
         tiles, on all cores): it never forms the scores, so it cannot return the weights or
-        apply dropout. ``"auto"`` takes the tiled path when neither is requested and the
-        problem is large enough for it to be faster, otherwise the reference path. Both give
-        the same result up to rounding.
+        apply dropout. ``"auto"`` takes the tiled path when neither is requested and a cost
+        model (``sdpa.tiled.estimated_times``: the scores, the head widths, and the number of
+        tiles and work units, each with its fixed cost) predicts it to be faster, or when the
+        reference path's ``(..., T, S)`` arrays would take more than a quarter of the
+        available memory; otherwise the reference path. Many small heads therefore stay on
+        the reference path however many scores they hold. Both give the same result up to
+        rounding.
 
     Returns
     -------

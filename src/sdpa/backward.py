@@ -53,7 +53,7 @@ IMPLEMENTATIONS = ("auto", "reference", "tiled")
 
 # Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, half the 512 KiB level-2
 # cache of one core of the machine they were chosen on (AMD EPYC, Zen 3). "auto" tiles exactly
-# when the forward pass would (sdpa.tiled.worth_tiling, which counts the scores of all heads).
+# when the forward pass would (sdpa.tiled.worth_tiling, its cost model of both paths).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
 
@@ -413,8 +413,7 @@ def scaled_dot_product_attention_backward(
         ``"reference"`` holds the whole ``(..., T, S)`` weight matrix; ``"tiled"`` (the
         FlashAttention-2 backward) recomputes it tile by tile from ``lse`` and needs memory
         proportional to ``T + S`` per head; ``"auto"`` tiles exactly when the forward pass
-        would (``sdpa.tiled.worth_tiling``: a score matrix of at least
-        ``sdpa.tiled.MIN_TILED_SCORES`` entries over all heads).
+        would (``sdpa.tiled.worth_tiling``).
     block_q, block_k : int, optional
         Tile sizes ``Bq`` and ``Bk`` of the tiled path (default 128 and 256).
     num_threads : int, optional

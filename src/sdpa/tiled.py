@@ -26,6 +26,11 @@ What matters for speed on a CPU, where every NumPy call is a full pass over a ti
   the true maximum; only a tile that breaks the bound is recomputed with a new shift (the
   classical rescaling). Most tiles thus cost two matrix products and one ``exp``: no pass for
   the row maximum, none for the subtraction, no rescaling of ``acc``;
+* exactness whatever the bias: the rescaling step works on the raw scores (nothing folded in,
+  rounded exactly as the reference path rounds them), and a shift is folded in only while
+  ``|m| <= FOLD_LIMIT``. A row whose scores are dominated by a huge bias (a float mask of
+  ``finfo.min`` or ``-1e9``, as padding masks are often written) subtracts its shift after the
+  product instead, since ``fl(q.k - m)`` would round ``q.k`` away;
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
   entirely inside it are not masked; only the blocks the band's edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
@@ -203,16 +208,83 @@ def _check_block(value, name: str) -> int:
     return value
 
 
-# Below this many scores (summed over heads) the reference path is as fast or faster: the tiled
-# path pays for Python-level loops and thread hand-offs. Measured with benchmarks/tune.py
-# (threshold): the tiled path won from about 1.3e5 scores on, one head or eight.
+# Below this many scores (summed over heads) the reference path is as fast or faster whatever
+# the shapes: the tiled path pays for Python-level loops and thread hand-offs.
 MIN_TILED_SCORES = 1 << 17
+
+# The cost model behind implementation="auto", in microseconds, fitted to wall times of both
+# paths measured interleaved with benchmarks/tune.py (auto) on the 2-core benchmark machine.
+# Counting scores alone (the rule until issue 9) sent 20000 heads of 4 x 4 scores to the tiled
+# path, 32 times slower than the reference: each work unit and each tile costs a fixed amount
+# of Python and NumPy call overhead that small heads cannot amortise.
+REFERENCE_COST = dict(call=60.0, matrix=1.1, score=0.0045, score_width=0.00045)
+TILED_COST = dict(call=350.0, unit=28.0, tile=22.0, score=0.0020, score_width=0.00020)
+
+
+def tiling_geometry(problem, block_q=None, block_k=None) -> tuple[int, int, int, int]:
+    """``(units, tiles, scores, workers)`` that the tiled path would use for ``problem``.
+
+    ``units`` are the independent work units (one block of query rows of one head, with the
+    heads that share keys folded in), ``tiles`` the tiles it computes (those the causal/window
+    band skips are not counted; those a boolean mask turns out to disallow are), ``scores``
+    the entries of those tiles. Computed from the shapes, without touching the data.
+    """
+    bs = problem.batch_shape
+    T, S = problem.T, problem.S
+    F = bs[-1] if _fold_axis(problem) else 1
+    outer = int(np.prod(bs, dtype=np.int64)) // max(F, 1)
+    dtype = problem.work_dtype
+    bq = max(1, BLOCK_ROWS.get(dtype, 128) // F) if block_q is None else block_q
+    bk = BLOCK_K.get(dtype, 512) if block_k is None else block_k
+    t0 = np.arange(0, T, bq, dtype=np.int64)  # the first query of each block
+    t1 = np.minimum(t0 + bq, T)
+    lo, hi = problem.band
+    start = np.zeros_like(t0) if lo is None else np.maximum(0, t0 + problem.offset + lo)
+    stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
+    stop = np.maximum(start, stop)
+    n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
+    units = outer * t0.size
+    tiles = outer * int(n_tiles.sum())
+    scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
+    workers = min(default_workers(), max(units, 1))
+    return units, tiles, scores, workers
+
+
+def estimated_times(problem) -> tuple[float, float]:
+    """``(reference, tiled)``: the cost model's estimate of both paths' wall time, in us."""
+    n_matrices = int(np.prod(problem.batch_shape, dtype=np.int64))
+    n_scores = n_matrices * problem.T * problem.S
+    width = problem.Dk + problem.Dv
+    r = REFERENCE_COST
+    reference = (
+        r["call"] + r["matrix"] * n_matrices + n_scores * (r["score"] + r["score_width"] * width)
+    )
+    units, tiles, scores, workers = tiling_geometry(problem)
+    c = TILED_COST
+    work = c["unit"] * units + c["tile"] * tiles + scores * (c["score"] + c["score_width"] * width)
+    return reference, c["call"] + work / workers
 
 
 def worth_tiling(problem) -> bool:
-    """Whether ``implementation="auto"`` should take the tiled path for this problem."""
+    """Whether ``implementation="auto"`` should take the tiled path for this problem.
+
+    Never below ``MIN_TILED_SCORES`` scores; above, when the cost model predicts the tiled
+    path to be faster (:func:`estimated_times`), or when the reference path's ``(T, S)``
+    matrices would take more than a quarter of the available memory.
+    """
     n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
-    return n_scores >= MIN_TILED_SCORES
+    if n_scores < MIN_TILED_SCORES:
+        return False
+    reference, tiled = estimated_times(problem)
+    if tiled < reference:
+        return True
+    need = 3 * n_scores * problem.work_dtype.itemsize
+    if need > (1 << 28):  # 256 MiB: worth asking how much memory there is
+        from ._checks import available_memory
+
+        available = available_memory()
+        return available is not None and need > available / 4
+    return False
 
 
 # ----------------------------------------------------------------------------------------
