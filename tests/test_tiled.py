@@ -328,7 +328,7 @@ def test_tile_map_errors():
         tile_map(4, 4, block_q=0, block_k=2)
     with pytest.raises(TypeError, match="is_causal must be a bool; got 'yes'"):
         tile_map(4, 4, block_q=2, block_k=2, is_causal="yes")
-    with pytest.raises(TypeError, match="block_k must be a non-negative integer"):
+    with pytest.raises(TypeError, match="block_k must be a positive integer; got 2.5"):
         tile_map(4, 4, block_q=2, block_k=2.5)
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "range_error",
     "check_window",
     "check_nonneg_int",
+    "check_positive_int",
 ]
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -193,6 +194,15 @@ def check_nonneg_int(value, name: str) -> int:
         raise TypeError(f"{name} must be a non-negative integer; got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be a non-negative integer; got {value!r}")
+    return int(value)
+
+
+def check_positive_int(value, name: str) -> int:
+    """Return ``value`` as an ``int`` if it is a positive integer, else raise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be a positive integer; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
 
 

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import os
 import threading
-from numbers import Integral
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import attention as _attention
 from . import tiled as _tiled
-from ._checks import ATTENTION_MASK_HINT, as_float_array, check_range
+from ._checks import ATTENTION_MASK_HINT, as_float_array, check_positive_int, check_range
 from .attention import (
     AttentionProblem,
     check_overflow,
@@ -325,14 +324,6 @@ def _run_threaded(task, starts, num_threads, d_q_shape, dtype) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_block(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be a positive integer; got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    return int(value)
-
-
 def _worth_tiling(problem: AttentionProblem) -> bool:
     """Whether ``implementation="auto"`` tiles: the forward pass's own rule, so both agree."""
     return _tiled.worth_tiling(problem)
@@ -514,12 +505,12 @@ def scaled_dot_product_attention_backward(
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}"
         )
-    block_q = DEFAULT_BLOCK_Q if block_q is None else _check_block(block_q, "block_q")
-    block_k = DEFAULT_BLOCK_K if block_k is None else _check_block(block_k, "block_k")
+    block_q = DEFAULT_BLOCK_Q if block_q is None else check_positive_int(block_q, "block_q")
+    block_k = DEFAULT_BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
     if num_threads is None:
         num_threads = min(2, os.cpu_count() or 1)
     else:
-        num_threads = _check_block(num_threads, "num_threads")
+        num_threads = check_positive_int(num_threads, "num_threads")
     if (out is None) != (lse is None):
         given, missing = ("out", "lse") if lse is None else ("lse", "out")
         raise ValueError(

@@ -25,18 +25,12 @@ from ._checks import (
     check_bool,
     check_float_dtype,
     check_nonneg_int,
+    check_positive_int,
     check_range,
 )
 from .attention import scaled_dot_product_attention
 
 __all__ = ["KVCache"]
-
-
-def _positive_int(value, name: str) -> int:
-    value = check_nonneg_int(value, name)
-    if value == 0:
-        raise ValueError(f"{name} must be a positive integer; got 0")
-    return value
 
 
 class KVCache:
@@ -131,13 +125,13 @@ class KVCache:
         dtype=np.float64,
         capacity: int = 16,
     ):
-        self.n_layers = _positive_int(n_layers, "n_layers")
-        self.n_kv_heads = _positive_int(n_kv_heads, "n_kv_heads")
+        self.n_layers = check_positive_int(n_layers, "n_layers")
+        self.n_kv_heads = check_positive_int(n_kv_heads, "n_kv_heads")
         self.head_dim = check_nonneg_int(head_dim, "head_dim")
         self.value_dim = self.head_dim if value_dim is None else check_nonneg_int(value_dim, "value_dim")
-        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
         self.dtype = check_float_dtype(dtype)
-        self._initial_capacity = _positive_int(capacity, "capacity")
+        self._initial_capacity = check_positive_int(capacity, "capacity")
         self._keys: list[np.ndarray | None] = [None] * self.n_layers
         self._values: list[np.ndarray | None] = [None] * self.n_layers
         self._lengths = [0] * self.n_layers

@@ -27,7 +27,7 @@ from ._checks import (
     as_float_array,
     check_alignment,
     check_bool,
-    check_nonneg_int,
+    check_positive_int,
     compute_dtype,
 )
 from .masks import alignment_offset
@@ -221,9 +221,7 @@ def linear_attention(
         raise TypeError(f"eps must be a real number; got {eps!r}")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and non-negative; got {eps!r}")
-    chunk_size = check_nonneg_int(chunk_size, "chunk_size")
-    if chunk_size == 0:
-        raise ValueError("chunk_size must be a positive integer; got 0")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
 
     out_dtype, work = compute_dtype(q, k, v)
     q, k, v = (a.astype(work, copy=False) for a in (q, k, v))

@@ -55,6 +55,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._checks import (
+    check_alignment,
+    check_bool,
+    check_nonneg_int,
+    check_positive_int,
+    check_window,
+)
+
 __all__ = ["tile_map"]
 
 # Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core); see
@@ -179,13 +187,12 @@ def tile_map(
            [2, 2, 1, 0],
            [2, 2, 2, 1]])
     """
-    from ._checks import check_alignment, check_bool, check_nonneg_int, check_window
     from .masks import alignment_offset, band_limits
 
     T = check_nonneg_int(T, "T")
     S = check_nonneg_int(S, "S")
-    block_q = _check_block(block_q, "block_q")
-    block_k = _check_block(block_k, "block_k")
+    block_q = check_positive_int(block_q, "block_q")
+    block_k = check_positive_int(block_k, "block_k")
     offset = alignment_offset(T, S, check_alignment(causal_alignment))
     lo, hi = band_limits(check_bool(is_causal, "is_causal"), check_window(window))
     n_q, n_k = -(-T // block_q), -(-S // block_k)
@@ -199,26 +206,34 @@ def tile_map(
     return kinds
 
 
-def _check_block(value, name: str) -> int:
-    from ._checks import check_nonneg_int
-
-    value = check_nonneg_int(value, name)
-    if value == 0:
-        raise ValueError(f"{name} must be a positive integer; got 0")
-    return value
-
-
 # Below this many scores (summed over heads) the reference path is as fast or faster whatever
 # the shapes: the tiled path pays for Python-level loops and thread hand-offs.
 MIN_TILED_SCORES = 1 << 17
 
-# The cost model behind implementation="auto", in microseconds, fitted to wall times of both
-# paths measured interleaved with benchmarks/tune.py (auto) on the 2-core benchmark machine.
+# The cost model behind implementation="auto": wall time in microseconds on idle cores.
 # Counting scores alone (the rule until issue 9) sent 20000 heads of 4 x 4 scores to the tiled
-# path, 32 times slower than the reference: each work unit and each tile costs a fixed amount
-# of Python and NumPy call overhead that small heads cannot amortise.
-REFERENCE_COST = dict(call=60.0, matrix=1.1, score=0.0045, score_width=0.00045)
-TILED_COST = dict(call=350.0, unit=28.0, tile=22.0, score=0.0020, score_width=0.00020)
+# path, 32 times slower than the reference path: every work unit and every tile costs a fixed
+# amount of Python and NumPy call overhead that small heads cannot amortise. The constants come
+# from `benchmarks/tune.py auto` on the 2-core benchmark machine: single-thread CPU times of
+# both paths over 70 shapes, fitted term by term (CPU time, unlike wall time, stays put while
+# other processes share the machine), then spread over the cores each part runs on: the tiled
+# path's work over its workers, the reference path's products (the term in the head width)
+# over BLAS's threads; its softmax passes run on one core.
+REFERENCE_COST = dict(
+    call=60.0,  # validation and dispatch (estimated: tiny calls' wall time is noise when shared)
+    matrix=0.5,  # per (T, S) matrix: the batched products' loop
+    io=0.001,  # per entry of the inputs read per matrix, (T + S) (Dk + Dv): small products
+    score=0.0064,  # per score: the softmax's passes, one core
+    score_width=0.000015,  # per score and unit of Dk + Dv: the two products, on BLAS's threads
+    masked=0.003,  # per score, with a mask or a band: one more pass
+)
+TILED_COST = dict(
+    call=250.0,  # validation, the plan, starting the worker threads (estimated, as above)
+    unit=95.0,  # per work unit: its first tile and its bookkeeping
+    tile=20.0,  # per further tile (the fit cannot separate it from the unit; a floor)
+    score=0.0037,  # per computed score: exp and the row sums
+    score_width=0.000045,  # per computed score and unit of Dk + Dv: the two products
+)
 
 
 def tiling_geometry(problem, block_q=None, block_k=None) -> tuple[int, int, int, int]:
@@ -252,16 +267,24 @@ def tiling_geometry(problem, block_q=None, block_k=None) -> tuple[int, int, int,
 
 def estimated_times(problem) -> tuple[float, float]:
     """``(reference, tiled)``: the cost model's estimate of both paths' wall time, in us."""
+    T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     n_matrices = int(np.prod(problem.batch_shape, dtype=np.int64))
-    n_scores = n_matrices * problem.T * problem.S
-    width = problem.Dk + problem.Dv
+    n_scores = n_matrices * T * S
+    width = Dk + Dv
+    masked = problem.allowed is not None or problem.bias is not None or problem.band != (None, None)
     r = REFERENCE_COST
     reference = (
-        r["call"] + r["matrix"] * n_matrices + n_scores * (r["score"] + r["score_width"] * width)
+        r["call"]
+        + n_matrices * (r["matrix"] + r["io"] * (T + S) * width)
+        + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
     )
     units, tiles, scores, workers = tiling_geometry(problem)
     c = TILED_COST
-    work = c["unit"] * units + c["tile"] * tiles + scores * (c["score"] + c["score_width"] * width)
+    work = (
+        c["unit"] * units
+        + c["tile"] * max(0, tiles - units)
+        + scores * (c["score"] + c["score_width"] * width)
+    )
     return reference, c["call"] + work / workers
 
 
@@ -668,9 +691,9 @@ def attention_tiled(
     from .attention import mark_poisoned
 
     if block_q is not None:
-        block_q = _check_block(block_q, "block_q")
+        block_q = check_positive_int(block_q, "block_q")
     if block_k is not None:
-        block_k = _check_block(block_k, "block_k")
+        block_k = check_positive_int(block_k, "block_k")
     T, S, Dv = problem.T, problem.S, problem.Dv
     dtype = problem.work_dtype
     if S == 0 or T == 0 or 0 in problem.batch_shape:
