@@ -40,6 +40,7 @@ import datetime as dt
 import gc
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -167,6 +168,14 @@ def load_baseline(rev: str):
     return module
 
 
+def in_turn(impls: dict, i: int) -> list:
+    """Round ``i``'s order: forwards in even rounds, backwards in odd ones, so that no
+    implementation always runs right after the same other one (torch's threads, for one,
+    keep spinning briefly after a call)."""
+    items = list(impls.items())
+    return items if i % 2 == 0 else items[::-1]
+
+
 def exact_rows(q, k, v, is_causal, rows):
     """out[rows] in extended precision, straight from the formula."""
     ql = q[..., rows, :].astype(np.longdouble)
@@ -269,7 +278,7 @@ def run_case(case, torch, peaks, idle, baseline=None) -> dict:
     times = {name: [] for name in impls}
     r = repeats_for(n, B * H)
     for i in range(r):
-        for name, f in impls.items():
+        for name, f in in_turn(impls, i):
             if name == "textbook" and n * n * B * H >= 8192**2 and i >= 2:
                 continue  # the slow formula at the largest sizes: two rounds are enough
             time.sleep(idle)
@@ -299,7 +308,7 @@ def run_case(case, torch, peaks, idle, baseline=None) -> dict:
     return result
 
 
-def time_split(torch, n=4096, rounds=5) -> list[dict]:
+def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
     """Where the time goes, on one core: torch, ours, and ours with the exponential removed.
 
     Both libraries run on the calling thread (``torch.set_num_threads(1)``, BLAS held to one
@@ -307,7 +316,9 @@ def time_split(torch, n=4096, rounds=5) -> list[dict]:
     on the machine disturb it little. The third variant swaps the kernel's elementwise
     exponential for a multiplication (its results are wrong; only its time matters): what is
     left is the matrix products and the bookkeeping, which is what a faster exponential could
-    at best reduce our time to.
+    at best reduce our time to. With a ``baseline`` package its tiled path is timed too, in
+    the same rounds: the comparison of two versions that a loaded machine disturbs least.
+    Each dtype runs without a mask and with a causal one.
     """
     from threadpoolctl import threadpool_limits
 
@@ -322,10 +333,10 @@ def time_split(torch, n=4096, rounds=5) -> list[dict]:
     try:
         if torch is not None:
             torch.set_num_threads(1)
-        for dtype in ("float32", "float64"):
+        for dtype, is_causal in itertools.product(("float32", "float64"), (False, True)):
             rng = np.random.default_rng(1)
             q, k, v = (rng.standard_normal((1, 1, n, D)).astype(dtype) for _ in range(3))
-            problem = prepare_attention(q, k, v)
+            problem = prepare_attention(q, k, v, None, is_causal)
 
             def ours():
                 tiled.attention_tiled(problem, workers=1)
@@ -338,25 +349,33 @@ def time_split(torch, n=4096, rounds=5) -> list[dict]:
                     tiled._tile_exp = np.exp
 
             impls = {"ours": ours, "ours without exp": ours_no_exp}
+            if baseline is not None:
+                old_problem = baseline.attention.prepare_attention(q, k, v, None, is_causal)
+                impls["baseline"] = lambda: baseline.tiled.attention_tiled(old_problem, workers=1)
             if torch is not None:
                 tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
 
                 def run_torch():
                     with torch.no_grad():
-                        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+                        torch.nn.functional.scaled_dot_product_attention(
+                            tq, tk, tv, is_causal=is_causal
+                        )
 
                 impls["torch"] = run_torch
             times = {name: [] for name in impls}
             with threadpool_limits(1, user_api="blas"):
                 for f in impls.values():
                     f()
-                for _ in range(rounds):
-                    for name, f in impls.items():
+                for i in range(rounds):
+                    for name, f in in_turn(impls, i):
                         start = time.thread_time()
                         f()
                         times[name].append(time.thread_time() - start)
-            row = {"dtype": dtype, "n": n, "cpu": {k: statistics.median(t) for k, t in times.items()}}
-            print(f"one core, {dtype}, n={n}: " + ", ".join(
+            # the best round: CPU time is inflated, never deflated, by other processes' use of
+            # the shared caches and memory bus
+            row = {"dtype": dtype, "n": n, "causal": is_causal,
+                   "cpu": {k: min(t) for k, t in times.items()}}
+            print(f"one core, {dtype}, n={n}, causal={is_causal}: " + ", ".join(
                 f"{k} {fmt_time(t)}" for k, t in row["cpu"].items()), flush=True)
             rows.append(row)
     finally:
@@ -470,8 +489,8 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     times = {name: [] for name in impls}
     for f in impls.values():
         f()  # warm-up
-    for _ in range(rounds):
-        for name, f in impls.items():
+    for i in range(rounds):
+        for name, f in in_turn(impls, i):
             time.sleep(idle)
             start = time.perf_counter()
             f()
@@ -588,20 +607,29 @@ def markdown(report) -> str:
     if split:
         lines += [
             "",
-            "## Where the time goes (one core, CPU time, no mask)",
+            "## Where the time goes (one core, CPU time)",
             "",
-            "torch and ours on one thread each; \"ours without exp\" is our kernel with its",
-            "elementwise exponential replaced by a multiplication (wrong results, timing only).",
+            "Best of 11 interleaved rounds; torch and ours on one thread each; \"ours without "
+            "exp\" is our kernel with its",
+            "elementwise exponential replaced by a multiplication (wrong results, timing only)."
+            + (" \"baseline\" is the tiled path at the baseline revision, in the same rounds."
+               if any("baseline" in r["cpu"] for r in split) else ""),
             "",
-            "| dtype | n | torch | ours | ours without exp | ours/torch | without exp/torch | exp share of ours |",
-            "|---|---|---|---|---|---|---|---|",
+            "| dtype | causal | n | torch | ours | ours without exp | baseline | ours/torch "
+            "| baseline/torch | ours/baseline | without exp/torch | exp share of ours |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in split:
             c = r["cpu"]
             t = c.get("torch")
+            b = c.get("baseline")
             lines.append(
-                f"| {r['dtype']} | {r['n']} | {fmt_time(t) if t else 'n/a'} | {fmt_time(c['ours'])} "
-                f"| {fmt_time(c['ours without exp'])} | {fmt(c['ours'] / t if t else None, '.2f')} "
+                f"| {r['dtype']} | {'yes' if r.get('causal') else 'no'} | {r['n']} "
+                f"| {fmt_time(t) if t else 'n/a'} | {fmt_time(c['ours'])} "
+                f"| {fmt_time(c['ours without exp'])} | {fmt_time(b) if b else 'n/a'} "
+                f"| {fmt(c['ours'] / t if t else None, '.3f')} "
+                f"| {fmt(b / t if t and b else None, '.3f')} "
+                f"| {fmt(c['ours'] / b if b else None, '.3f')} "
                 f"| {fmt(c['ours without exp'] / t if t else None, '.2f')} "
                 f"| {1 - c['ours without exp'] / c['ours']:.0%} |"
             )
@@ -715,7 +743,9 @@ def main(argv=None) -> int:
                 flush=True,
             )
     if "split" in args.sections:
-        report["time_split"] = time_split(torch, n=QUICK_NS[-1] if args.quick else 4096)
+        report["time_split"] = time_split(
+            torch, n=QUICK_NS[-1] if args.quick else 4096, baseline=baseline
+        )
     report["load"] = [load0, os.getloadavg()[0]]
     stem = "quick" if args.quick else "latest"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

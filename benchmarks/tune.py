@@ -201,7 +201,9 @@ def auto(rounds=5, dtype=np.float32):
             tiled_module.REFERENCE_COST.update(saved[0])
             tiled_module.TILED_COST.update(saved[1])
 
-    for row, new, old in zip(rows, picks(fitted_ref, fitted_til), picks(REFERENCE_COST, TILED_COST)):
+    new_picks = picks(fitted_ref, fitted_til)
+    old_picks = picks(REFERENCE_COST, TILED_COST)
+    for row, new, old in zip(rows, new_picks, old_picks):
         print(f"  {str(row['lead']):9} n={row['n']:5} d={row['d']:3} causal={row['causal']!s:5}: "
               f"fitted model takes {new:9}, current model {old}")
 
