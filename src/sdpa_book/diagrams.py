@@ -1,0 +1,1170 @@
+r"""Diagrams of how data flows through attention, drawn from a page's own sizes and arrays.
+
+Every diagram here is a function of the sizes (or arrays) a page computes, so its shape labels
+are the page's shapes and cannot drift from the text: change ``T`` on the page and the grids,
+their proportions and their labels change with it. Each function returns a Matplotlib
+:class:`~matplotlib.figure.Figure` with a white background, at most
+:data:`~sdpa_book.figures.FULL_WIDTH` inches wide, with no text under
+:data:`~sdpa_book.figures.MIN_FONT_PT` points. The figures are not registered with pyplot (no
+window, nothing to close); a page glues them like any other figure.
+
+Diagrams
+--------
+:func:`token_qkv_diagram`
+    One token's embedding becoming a query, a key and a value.
+:func:`attention_pipeline_diagram`
+    ``Q, K -> scores -> scale -> mask -> softmax -> weights -> @ V -> out``, with shapes.
+:func:`multihead_diagram`, :func:`grouped_heads_diagram`
+    Heads split, attend and concatenate; query heads sharing key/value heads (MHA, GQA, MQA).
+:func:`mask_geometry_diagram`
+    Causal, padding and sliding-window masks, and the two causal alignments when ``T != S``.
+:func:`kv_cache_diagram`
+    Prefill, then decoding one token at a time against a growing cache.
+:func:`flash_loop_diagram`
+    The tiled (FlashAttention) loop: slow memory, fast memory, the running ``m``, ``ℓ``.
+:func:`backward_graph_diagram`
+    The forward's stages and the gradients flowing back.
+:func:`transformer_block_diagram`
+    The residual stream with pre-norm or post-norm sublayers.
+
+Drawing helpers
+---------------
+The diagrams are built from a few helpers, usable on their own: :func:`new_canvas` (a figure
+whose data coordinates are inches), :func:`draw_box`, :func:`draw_arrow`, :func:`draw_matrix`
+(a grid whose proportions follow its shape, labelled with the shape), :func:`draw_bracket`,
+:func:`role_legend`, and :func:`figure_texts` (the text a figure shows, for tests and examples).
+
+Colours have one role each, the same on every diagram and plot of the book: queries
+:data:`~sdpa_book.figures.QUERY`, keys :data:`~sdpa_book.figures.KEY`, values
+:data:`~sdpa_book.figures.VALUE`, outputs :data:`~sdpa_book.figures.OUTPUT`, scores and weights
+:data:`SCORES`, gradients :data:`GRADIENT`, masks :data:`~sdpa_book.figures.ALLOWED_COLOR` and
+:data:`~sdpa_book.figures.MASKED_COLOR`; all from the colour-blind-safe Okabe-Ito palette.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from numbers import Integral, Real
+
+import numpy as np
+
+from .figures import (
+    ALLOWED_COLOR,
+    COLORS,
+    FULL_WIDTH,
+    KEY,
+    MASKED_COLOR,
+    MIN_FONT_PT,
+    OUTPUT,
+    QUERY,
+    VALUE,
+)
+
+__all__ = [
+    "FAST_MEMORY",
+    "GRADIENT",
+    "NEUTRAL",
+    "SCORES",
+    "SLOW_MEMORY",
+    "Rect",
+    "attention_pipeline_diagram",
+    "backward_graph_diagram",
+    "draw_arrow",
+    "draw_box",
+    "draw_bracket",
+    "draw_matrix",
+    "figure_texts",
+    "flash_loop_diagram",
+    "grid_sizes",
+    "grouped_heads_diagram",
+    "kv_cache_diagram",
+    "mask_geometry_diagram",
+    "multihead_diagram",
+    "new_canvas",
+    "role_legend",
+    "text_size",
+    "token_qkv_diagram",
+    "transformer_block_diagram",
+]
+
+# Roles beyond those of sdpa_book.figures, used only by diagrams (all Okabe-Ito or greys).
+SCORES = COLORS[6]  # yellow: scores and weights, (T, S)
+GRADIENT = COLORS[3]  # vermillion: gradients flowing back
+FAST_MEMORY = COLORS[5]  # sky blue: on-chip fast memory (SRAM)
+SLOW_MEMORY = "#8c8c8c"  # grey: off-chip slow memory (HBM)
+NEUTRAL = "#6e6e6e"  # grey: inputs, projections, operations
+INK = "#222222"  # text and arrows
+
+NAME_PT = 10  # names of matrices and boxes
+LABEL_PT = MIN_FONT_PT  # shapes, arrow labels, legends
+MARGIN = 0.08  # inches left free around every diagram
+MAX_CELLS = 48  # a diagram draws at most this many cells along one side
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+def _positive_int(value, name: str) -> int:
+    """Return ``value`` as an int if it is a positive integer, else raise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be a positive integer; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    return int(value)
+
+
+def _positive_number(value, name: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a positive number; got {value!r}")
+    if not value > 0 or not np.isfinite(value):
+        raise ValueError(f"{name} must be a positive number; got {value!r}")
+    return float(value)
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
+
+
+def _at_most(value: int, limit: int, name: str, why: str = "to be drawn legibly") -> int:
+    if value > limit:
+        raise ValueError(f"{name} must be at most {limit} {why}; got {name}={value}")
+    return value
+
+
+def _real_array(value, name: str, ndim: int) -> np.ndarray:
+    """A finite real array with ``ndim`` dimensions, none of them empty."""
+    if value is None:
+        raise TypeError(f"{name} must be a {ndim}-D array of real numbers; got None")
+    array = np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be a {ndim}-D array of real numbers; got dtype {array.dtype}")
+    if array.ndim != ndim or 0 in array.shape:
+        raise ValueError(f"{name} must be a non-empty {ndim}-D array; got {name}.shape={array.shape}")
+    return array.astype(np.float64)
+
+
+def _fontsize(fontsize) -> float:
+    size = _positive_number(fontsize, "fontsize")
+    if size < MIN_FONT_PT:
+        raise ValueError(f"fontsize must be at least MIN_FONT_PT = {MIN_FONT_PT} pt; got {fontsize!r}")
+    return size
+
+
+# ----------------------------------------------------------------------------------------------
+# Geometry and text
+
+
+@dataclass(frozen=True)
+class Rect:
+    """An axis-aligned rectangle in inches, ``(x0, y0)`` bottom left to ``(x1, y1)`` top right.
+
+    The helpers return one for what they drew, so that a diagram can attach arrows and labels
+    to its edges.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import Rect
+    >>> r = Rect(1.0, 2.0, 3.0, 3.0)
+    >>> r.width, r.height, r.center, r.right
+    (2.0, 1.0, (2.0, 2.5), (3.0, 2.5))
+    """
+
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+    @property
+    def width(self) -> float:
+        return self.x1 - self.x0
+
+    @property
+    def height(self) -> float:
+        return self.y1 - self.y0
+
+    @property
+    def cx(self) -> float:
+        return (self.x0 + self.x1) / 2
+
+    @property
+    def cy(self) -> float:
+        return (self.y0 + self.y1) / 2
+
+    @property
+    def center(self) -> tuple[float, float]:
+        return (self.cx, self.cy)
+
+    @property
+    def left(self) -> tuple[float, float]:
+        return (self.x0, self.cy)
+
+    @property
+    def right(self) -> tuple[float, float]:
+        return (self.x1, self.cy)
+
+    @property
+    def top(self) -> tuple[float, float]:
+        return (self.cx, self.y1)
+
+    @property
+    def bottom(self) -> tuple[float, float]:
+        return (self.cx, self.y0)
+
+
+def text_size(text: str, fontsize: float = LABEL_PT) -> tuple[float, float]:
+    """Width and height, in inches, that ``text`` takes at ``fontsize`` points.
+
+    Mathtext (``$D_k$``) is measured as drawn; several lines (``"\\n"``) are stacked at the
+    line spacing the helpers use. Diagrams use it to leave room for their labels.
+
+    Parameters
+    ----------
+    text : str
+    fontsize : float, default MIN_FONT_PT
+
+    Returns
+    -------
+    (width, height) : tuple of float
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import text_size
+    >>> w1, h1 = text_size("(4, 3)")
+    >>> w2, h2 = text_size("(4, 3)\\n(1024, 64)")
+    >>> w2 > w1 and h2 > h1
+    True
+    """
+    lines = str(text).split("\n")
+    width = max((_line_width(line, float(fontsize)) for line in lines if line.strip()), default=0.0)
+    return width, len(lines) * _line_height(fontsize)
+
+
+@lru_cache(maxsize=4096)
+def _line_width(line: str, fontsize: float) -> float:
+    """Width in inches of one line as Matplotlib lays it out (mathtext between dollars)."""
+    from matplotlib.font_manager import FontProperties
+
+    renderer = _measuring_renderer()
+    ismath = line.count("$") >= 2 and line.count("$") % 2 == 0
+    width, _, _ = renderer.get_text_width_height_descent(line, FontProperties(size=fontsize),
+                                                         ismath=ismath)
+    return float(width) / _MEASURE_DPI
+
+
+_MEASURE_DPI = 720  # fine enough that whole pixels do not round the widths
+
+
+@lru_cache(maxsize=1)
+def _measuring_renderer():
+    from matplotlib.backends.backend_agg import RendererAgg
+
+    return RendererAgg(10, 10, _MEASURE_DPI)
+
+
+def _line_height(fontsize: float) -> float:
+    return 1.3 * fontsize / 72
+
+
+def _mix(color, amount: float, other: str = "white") -> tuple[float, float, float]:
+    """``amount`` of ``color`` mixed with ``other`` (white: a tint; black: a shade)."""
+    from matplotlib.colors import to_rgb
+
+    c, o = np.array(to_rgb(color)), np.array(to_rgb(other))
+    return tuple(float(v) for v in amount * c + (1 - amount) * o)
+
+
+def _shade(color) -> tuple[float, float, float]:
+    return _mix(color, 0.7, "black")
+
+
+def _mathtext_shape(dims: Sequence[str]) -> str:
+    inner = ", ".join(dims)
+    return f"$({inner},)$" if len(dims) == 1 else f"$({inner})$"
+
+
+def _numeric_shape(shape: Sequence[int]) -> str:
+    return str(tuple(int(n) for n in shape))
+
+
+def _fmt_value(value: float) -> str:
+    digits = 1 if abs(value) >= 9.995 else 2
+    text = f"{round(float(value), digits) + 0.0:.{digits}f}"  # + 0.0: no "-0.00"
+    return text.replace("-", "\N{MINUS SIGN}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Drawing helpers
+
+
+def new_canvas(width: float, height: float):
+    """A figure whose data coordinates are inches, origin at the bottom left, axes hidden.
+
+    Parameters
+    ----------
+    width, height : float
+        Size in inches; ``width`` at most :data:`~sdpa_book.figures.FULL_WIDTH`.
+
+    Returns
+    -------
+    fig : matplotlib.figure.Figure
+        White background, not registered with pyplot.
+    ax : matplotlib.axes.Axes
+        Covers the whole figure; ``ax.get_xlim() == (0, width)``, equal aspect.
+
+    Raises
+    ------
+    TypeError
+        If a size is not a number.
+    ValueError
+        If a size is not positive, or ``width`` exceeds ``FULL_WIDTH``.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import new_canvas
+    >>> fig, ax = new_canvas(4.0, 1.5)
+    >>> [float(v) for v in fig.get_size_inches()], [float(v) for v in ax.get_xlim()]
+    ([4.0, 1.5], [0.0, 4.0])
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    width = _positive_number(width, "width")
+    height = _positive_number(height, "height")
+    if width > FULL_WIDTH + 1e-9:
+        raise ValueError(f"width must be at most FULL_WIDTH = {FULL_WIDTH} inches; got {width:.3g}")
+    fig = Figure(figsize=(width, height), facecolor="white")
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, height)
+    ax.set_aspect("equal")
+    ax.set_autoscale_on(False)
+    ax.axis("off")
+    return fig, ax
+
+
+def draw_box(
+    ax,
+    x: float,
+    y: float,
+    width: float,
+    height: float,
+    text: str | None = None,
+    *,
+    color=NEUTRAL,
+    fill: float = 0.15,
+    fontsize: float = NAME_PT,
+    linestyle: str = "-",
+    rounded: bool = True,
+) -> Rect:
+    """A box with its bottom left at ``(x, y)`` and optional centred text.
+
+    Parameters
+    ----------
+    ax : matplotlib Axes
+        Usually from :func:`new_canvas` (coordinates in inches).
+    x, y, width, height : float
+        Position and size.
+    text : str, optional
+        Centred in the box; may hold several lines and mathtext.
+    color : colour
+        The edge; the face is this colour mixed with white.
+    fill : float, default 0.15
+        How much of ``color`` the face holds (0: white, 1: ``color``).
+    fontsize : float, default 10
+        At least :data:`~sdpa_book.figures.MIN_FONT_PT`.
+    linestyle : str, default "-"
+    rounded : bool, default True
+
+    Returns
+    -------
+    Rect
+
+    Raises
+    ------
+    ValueError
+        If ``fontsize`` is under ``MIN_FONT_PT`` or ``fill`` is outside ``[0, 1]``.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import new_canvas, draw_box, figure_texts
+    >>> fig, ax = new_canvas(2.0, 1.0)
+    >>> draw_box(ax, 0.5, 0.25, 1.0, 0.5, "softmax").center
+    (1.0, 0.5)
+    >>> figure_texts(fig)
+    ['softmax']
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+    fontsize = _fontsize(fontsize)
+    if not 0 <= fill <= 1:
+        raise ValueError(f"fill must lie in [0, 1]; got {fill!r}")
+    pad = min(0.04, width / 4, height / 4) if rounded else 0.0
+    style = f"round,pad=0,rounding_size={pad}" if rounded else "square,pad=0"
+    ax.add_patch(
+        FancyBboxPatch(
+            (x, y), width, height, boxstyle=style, facecolor=_mix(color, fill),
+            edgecolor=_shade(color), linewidth=1.1, linestyle=linestyle,
+        )
+    )
+    rect = Rect(x, y, x + width, y + height)
+    if text:
+        ax.text(rect.cx, rect.cy, text, ha="center", va="center", fontsize=fontsize, color=INK,
+                linespacing=1.3)
+    return rect
+
+
+def draw_arrow(
+    ax,
+    start: tuple[float, float],
+    end: tuple[float, float],
+    *,
+    label: str | None = None,
+    label_side: str = "above",
+    color=INK,
+    linestyle: str = "-",
+    linewidth: float = 1.2,
+    curve: float = 0.0,
+    fontsize: float = LABEL_PT,
+):
+    """An arrow from ``start`` to ``end``, with an optional label beside its middle.
+
+    Parameters
+    ----------
+    ax : matplotlib Axes
+    start, end : (float, float)
+        Tail and head, in inches.
+    label : str, optional
+    label_side : {"above", "below", "left", "right"}, default "above"
+        Where the label sits relative to the arrow's midpoint.
+    color : colour
+    linestyle : str, default "-"
+    linewidth : float, default 1.2
+    curve : float, default 0.0
+        Bend of the arrow (``arc3`` radius); 0 is straight.
+    fontsize : float, default MIN_FONT_PT
+
+    Returns
+    -------
+    matplotlib.patches.FancyArrowPatch
+
+    Raises
+    ------
+    ValueError
+        If ``label_side`` is unknown or ``fontsize`` under ``MIN_FONT_PT``.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import new_canvas, draw_arrow, figure_texts
+    >>> fig, ax = new_canvas(2.0, 1.0)
+    >>> arrow = draw_arrow(ax, (0.2, 0.5), (1.8, 0.5), label="load")
+    >>> figure_texts(fig)
+    ['load']
+    """
+    from matplotlib.patches import FancyArrowPatch
+
+    fontsize = _fontsize(fontsize)
+    offsets = {"above": (0, 0.05, "center", "bottom"), "below": (0, -0.05, "center", "top"),
+               "left": (-0.06, 0, "right", "center"), "right": (0.06, 0, "left", "center")}
+    if label_side not in offsets:
+        raise ValueError(f"label_side must be one of {sorted(offsets)}; got {label_side!r}")
+    arrow = FancyArrowPatch(
+        start, end, arrowstyle="-|>,head_length=5,head_width=3", mutation_scale=1,
+        connectionstyle=f"arc3,rad={curve}", color=color, linewidth=linewidth,
+        linestyle=linestyle, shrinkA=0, shrinkB=0,
+    )
+    ax.add_patch(arrow)
+    if label:
+        dx, dy, ha, va = offsets[label_side]
+        mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
+        ax.text(mx + dx, my + dy, label, ha=ha, va=va, fontsize=fontsize, color=INK)
+    return arrow
+
+
+def _extent(n: int, unit: float, min_size: float) -> float:
+    return max(min_size, n * unit)
+
+
+def _label_lines(name, dims, shape, name_at, shape_at) -> dict[str, list[tuple[str, float]]]:
+    """The label lines of a matrix, grouped by the side they go on."""
+    sides: dict[str, list[tuple[str, float]]] = {}
+    if name and name_at:
+        sides.setdefault(name_at, []).append((name, NAME_PT))
+    if shape_at:
+        if dims is not None:
+            sides.setdefault(shape_at, []).append((_mathtext_shape(dims), LABEL_PT))
+        sides.setdefault(shape_at, []).append((_numeric_shape(shape), LABEL_PT))
+    return sides
+
+
+def _stack_size(lines: Sequence[tuple[str, float]]) -> tuple[float, float]:
+    width = max((text_size(t, fs)[0] for t, fs in lines), default=0.0)
+    return width, sum(_line_height(fs) for _, fs in lines)
+
+
+def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], gap: float = 0.05,
+                 floor: float | None = None):
+    """Write ``lines`` (text, fontsize) as a stack beside ``rect``; return the Text artists.
+
+    Beside (``left``/``right``), the stack is centred on ``rect`` but its bottom stays at or
+    above ``floor`` when given.
+    """
+    texts = []
+    total = sum(_line_height(fs) for _, fs in lines)
+    if side == "above":
+        x, y, ha = rect.cx, rect.y1 + gap + total, "center"
+    elif side == "below":
+        x, y, ha = rect.cx, rect.y0 - gap, "center"
+    elif side == "left":
+        x, y, ha = rect.x0 - gap - 0.02, rect.cy + total / 2, "right"
+    elif side == "right":
+        x, y, ha = rect.x1 + gap + 0.02, rect.cy + total / 2, "left"
+    else:
+        raise ValueError(f"a label side must be 'above', 'below', 'left' or 'right'; got {side!r}")
+    if floor is not None and side in ("left", "right"):
+        y = max(y, floor + total)
+    for text, fs in lines:
+        h = _line_height(fs)
+        texts.append(ax.text(x, y - h / 2, text, ha=ha, va="center_baseline", fontsize=fs,
+                             color=INK))
+        y -= h
+    return texts
+
+
+def _matrix_size(shape, unit: float, min_size: float = 0.1) -> tuple[float, float]:
+    """Width and height, in inches, of the grid :func:`draw_matrix` draws for ``shape``."""
+    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+    return _extent(cols, unit, min_size), _extent(rows, unit, min_size)
+
+
+def _label_size(name, dims, shape, side_lines: str = "all") -> tuple[float, float]:
+    """Width and height of the label stack of a matrix (name, symbolic shape, numeric shape)."""
+    lines = _label_lines(name, dims, shape, "s" if side_lines in ("all", "name") else None,
+                         "s" if side_lines in ("all", "shape") else None)
+    return _stack_size(lines.get("s", []))
+
+
+def draw_matrix(
+    ax,
+    x: float,
+    y: float,
+    shape: Sequence[int],
+    *,
+    unit: float,
+    color,
+    name: str | None = None,
+    dims: Sequence[str] | None = None,
+    name_at: str | None = "above",
+    shape_at: str | None = "below",
+    values=None,
+    masked=None,
+    row_blocks: int | None = None,
+    col_blocks: int | None = None,
+    fill: float = 0.35,
+    min_size: float = 0.1,
+    linestyle: str = "-",
+    label_floor: float | None = None,
+    tag: str | None = None,
+) -> Rect:
+    """A matrix drawn as a grid of cells, its bottom left at ``(x, y)``, labelled with its shape.
+
+    The grid is ``cols * unit`` wide and ``rows * unit`` high (at least ``min_size``), so
+    matrices drawn with one ``unit`` keep their proportions: a ``(T, S)`` grid beside a
+    ``(T, Dk)`` grid shows which is wider. A 1-D ``shape`` ``(n,)`` is drawn as one row.
+
+    Parameters
+    ----------
+    ax : matplotlib Axes
+    x, y : float
+        Bottom left corner, in inches.
+    shape : (rows, cols) or (n,) of int
+        The shape the grid stands for; its numeric label, e.g. ``(4, 3)``.
+    unit : float
+        Side of one cell, in inches.
+    color : colour
+        The role colour (:data:`~sdpa_book.figures.QUERY`, ...): a tint fills the cells.
+    name : str, optional
+        Name label, e.g. ``"$Q$"``.
+    dims : sequence of str, optional
+        Symbolic sizes, e.g. ``("T", "D_k")``: a mathtext label ``$(T, D_k)$``.
+    name_at, shape_at : {"above", "below", "left", "right"} or None
+        Where the name and the shape labels go (None: not drawn). On the same side, the name
+        comes first.
+    values : array_like of shape ``shape``, optional
+        Numbers written in the cells when the cells are large enough (0.36 in wide).
+    masked : array_like of bool of shape ``shape``, optional
+        Cells drawn in :data:`~sdpa_book.figures.MASKED_COLOR` (``True`` = masked).
+    row_blocks, col_blocks : int, optional
+        Draw a heavier line every ``row_blocks`` rows / ``col_blocks`` columns (tiles, heads).
+    fill : float, default 0.35
+        How much of ``color`` the cells hold (1: the full colour).
+    min_size : float, default 0.1
+        Smallest side, in inches, so that a very thin matrix stays visible.
+    linestyle : str, default "-"
+        Of the outline (``"--"`` for a matrix that is never stored).
+    label_floor : float, optional
+        Labels beside the grid (``"left"``/``"right"``) are centred on it but kept above this
+        height, clear of what lies below them.
+    tag : str, optional
+        Stored as the label ``"_matrix <tag>"`` of the grid's outline (a patch), so that tests
+        can find the grid (:func:`grid_sizes`); not shown.
+
+    Returns
+    -------
+    Rect
+        The grid's rectangle.
+
+    Raises
+    ------
+    ValueError
+        If ``shape`` is not one or two positive sizes, ``dims`` does not match it, or
+        ``values``/``masked`` have another shape.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import new_canvas, draw_matrix, figure_texts
+    >>> from sdpa_book.figures import QUERY
+    >>> fig, ax = new_canvas(2.0, 1.6)
+    >>> r = draw_matrix(ax, 0.5, 0.5, (4, 3), unit=0.15, color=QUERY, name="$Q$",
+    ...                 dims=("T", "D_k"))
+    >>> round(r.width, 2), round(r.height, 2)
+    (0.45, 0.6)
+    >>> figure_texts(fig)
+    ['$Q$', '$(T, D_k)$', '(4, 3)']
+    """
+    from matplotlib.collections import LineCollection, PatchCollection
+    from matplotlib.patches import Rectangle
+
+    if not isinstance(shape, (tuple, list)) or len(shape) not in (1, 2):
+        raise ValueError(f"shape must be (rows, cols) or (n,); got {shape!r}")
+    shape = tuple(_positive_int(n, "shape") for n in shape)
+    if dims is not None and len(dims) != len(shape):
+        raise ValueError(f"dims must name each of the {len(shape)} sizes of shape={shape}; got {dims!r}")
+    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+    width, height = _matrix_size(shape, unit, min_size)
+    rect = Rect(x, y, x + width, y + height)
+    cell_w, cell_h = width / cols, height / rows
+
+    face = _mix(color, fill)
+    edge = _shade(color)
+    ax.add_patch(Rectangle((x, y), width, height, facecolor=face, edgecolor="none"))
+    if masked is not None:
+        hidden = np.asarray(masked, dtype=bool).reshape(-1, cols) if len(shape) == 1 else np.asarray(masked, dtype=bool)
+        if hidden.shape != (rows, cols):
+            raise ValueError(f"masked must have the matrix's shape {shape}; got {np.shape(masked)}")
+        if hidden.size <= 64 * 64:
+            cells = [Rectangle((x + j * cell_w, y + height - (i + 1) * cell_h), cell_w, cell_h)
+                     for i, j in zip(*np.nonzero(hidden))]
+            ax.add_collection(PatchCollection(cells, facecolor=MASKED_COLOR, edgecolor="none"))
+        else:  # too many cells for one patch each: an image of the mask
+            from matplotlib.colors import to_rgba
+
+            image = np.zeros((rows, cols, 4))
+            image[hidden] = to_rgba(MASKED_COLOR)
+            ax.imshow(image, extent=(x, x + width, y, y + height), interpolation="nearest",
+                      aspect="auto", zorder=1.5)
+
+    # Cell lines (only while cells stay distinguishable), then the block lines and the outline.
+    segments = []
+    if rows <= MAX_CELLS * 2 and cell_h >= 0.03:
+        segments += [((x, y + i * cell_h), (x + width, y + i * cell_h)) for i in range(1, rows)]
+    if cols <= MAX_CELLS * 2 and cell_w >= 0.03:
+        segments += [((x + j * cell_w, y), (x + j * cell_w, y + height)) for j in range(1, cols)]
+    grid_color = "white" if fill >= 0.8 else _mix(edge, 0.45)
+    if segments:
+        ax.add_collection(LineCollection(segments, colors=[grid_color], linewidths=0.6))
+    blocks = []
+    if row_blocks:
+        blocks += [((x, y + height - i * cell_h), (x + width, y + height - i * cell_h))
+                   for i in range(row_blocks, rows, row_blocks)]
+    if col_blocks:
+        blocks += [((x + j * cell_w, y), (x + j * cell_w, y + height))
+                   for j in range(col_blocks, cols, col_blocks)]
+    if blocks:
+        ax.add_collection(LineCollection(blocks, colors=[edge], linewidths=1.6))
+    ax.add_patch(Rectangle((x, y), width, height, facecolor="none", edgecolor=edge,
+                           linewidth=1.1, linestyle=linestyle,
+                           label=f"_matrix {tag}" if tag else None))
+
+    if values is not None:
+        vals = np.asarray(values, dtype=float).reshape(rows, cols) if np.size(values) == rows * cols else None
+        if vals is None or np.shape(values) != shape:
+            raise ValueError(f"values must have the matrix's shape {shape}; got {np.shape(values)}")
+        if cell_w >= 0.36 and cell_h >= 0.17:
+            for i in range(rows):
+                for j in range(cols):
+                    ax.text(x + (j + 0.5) * cell_w, y + height - (i + 0.5) * cell_h,
+                            _fmt_value(vals[i, j]), ha="center", va="center",
+                            fontsize=LABEL_PT, color=INK)
+
+    for side, lines in _label_lines(name, dims, shape, name_at, shape_at).items():
+        _label_stack(ax, rect, side, lines, floor=label_floor)
+    return rect
+
+
+def _block_rect(rect: Rect, shape: Sequence[int], rows: tuple[int, int], cols: tuple[int, int]) -> Rect:
+    """The sub-rectangle of a grid drawn by :func:`draw_matrix` covering ``rows`` x ``cols``."""
+    n_rows, n_cols = (1, shape[0]) if len(shape) == 1 else shape
+    cw, ch = rect.width / n_cols, rect.height / n_rows
+    return Rect(rect.x0 + cols[0] * cw, rect.y1 - rows[1] * ch, rect.x0 + cols[1] * cw,
+                rect.y1 - rows[0] * ch)
+
+
+def grid_sizes(fig) -> dict[str, tuple[float, float]]:
+    """``{tag: (width, height)}`` in inches of the grids drawn with a ``tag`` in ``fig``.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import attention_pipeline_diagram, grid_sizes
+    >>> sizes = grid_sizes(attention_pipeline_diagram(T=4, S=6, Dk=3, Dv=2))
+    >>> round(sizes["scores"][0] / sizes["Q"][0], 3)  # S / Dk: the grids keep the proportions
+    2.0
+    """
+    sizes = {}
+    for ax in fig.axes:
+        for patch in ax.patches:
+            label = patch.get_label() or ""
+            if label.startswith("_matrix "):
+                sizes[label[len("_matrix "):]] = (float(patch.get_width()), float(patch.get_height()))
+    return sizes
+
+
+def _outline(ax, rect: Rect, color, *, linewidth: float = 2.2, linestyle: str = "-", fill=None):
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((rect.x0, rect.y0), rect.width, rect.height,
+                           facecolor=fill if fill is not None else "none", edgecolor=color,
+                           linewidth=linewidth, linestyle=linestyle))
+
+
+def draw_bracket(
+    ax,
+    start: float,
+    stop: float,
+    at: float,
+    text: str | None = None,
+    *,
+    side: str = "above",
+    depth: float = 0.06,
+    color=INK,
+    fontsize: float = LABEL_PT,
+):
+    """A square bracket along ``[start, stop]`` at ``at``, opening towards what it groups.
+
+    ``side="above"``/``"below"``: the bracket spans ``x`` from ``start`` to ``stop`` at height
+    ``y = at`` and its label sits above/below it. ``side="left"``/``"right"``: it spans ``y``
+    at ``x = at``.
+
+    Parameters
+    ----------
+    ax : matplotlib Axes
+    start, stop : float
+        The span grouped, in inches.
+    at : float
+        The edge of what is grouped.
+    text : str, optional
+        Label beside the bracket's middle.
+    side : {"above", "below", "left", "right"}, default "above"
+    depth : float, default 0.06
+        Length of the bracket's ends, in inches.
+    color : colour
+    fontsize : float, default MIN_FONT_PT
+
+    Returns
+    -------
+    matplotlib.text.Text or None
+        The label.
+
+    Raises
+    ------
+    ValueError
+        If ``side`` is unknown or ``stop <= start``.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import new_canvas, draw_bracket
+    >>> fig, ax = new_canvas(2.0, 1.0)
+    >>> draw_bracket(ax, 0.2, 1.8, 0.3, "$H$ heads").get_text()
+    '$H$ heads'
+    """
+    if side not in ("above", "below", "left", "right"):
+        raise ValueError(f"side must be 'above', 'below', 'left' or 'right'; got {side!r}")
+    if not stop > start:
+        raise ValueError(f"stop must be greater than start; got start={start}, stop={stop}")
+    fontsize = _fontsize(fontsize)
+    sign = 1 if side in ("above", "right") else -1
+    mid = (start + stop) / 2
+    a, b = at, at + sign * depth
+    path = [(start, a), (start, b), (stop, b), (stop, a)]
+    tick = [(mid, b), (mid, b + sign * depth * 0.6)]
+    if side in ("left", "right"):
+        path = [(v, u) for u, v in path]
+        tick = [(v, u) for u, v in tick]
+    ax.plot(*zip(*path), color=color, linewidth=1.0, solid_capstyle="butt")
+    ax.plot(*zip(*tick), color=color, linewidth=1.0)
+    if not text:
+        return None
+    far = b + sign * (depth * 0.6 + 0.04)
+    if side == "above":
+        return ax.text(mid, far, text, ha="center", va="bottom", fontsize=fontsize, color=INK)
+    if side == "below":
+        return ax.text(mid, far, text, ha="center", va="top", fontsize=fontsize, color=INK)
+    ha = "left" if side == "right" else "right"
+    return ax.text(far, mid, text, ha=ha, va="center", fontsize=fontsize, color=INK)
+
+
+def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), ncols: int | None = None):
+    """A legend of colour roles: one patch per ``(label, colour)`` entry, no frame.
+
+    Parameters
+    ----------
+    ax : matplotlib Axes
+    entries : sequence of (str, colour) or (str, colour, dict)
+        Label and face colour; the optional dict holds more patch properties (``edgecolor``,
+        ``linestyle``, ``hatch``, ...).
+    loc : str, default "lower center"
+        Which point of the legend sits at ``anchor``.
+    anchor : (float, float), default (0.5, 0.0)
+        In axes fractions (0 to 1).
+    ncols : int, optional
+        Default: all entries on one row.
+
+    Returns
+    -------
+    matplotlib.legend.Legend
+
+    Raises
+    ------
+    ValueError
+        If ``entries`` is empty.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import new_canvas, role_legend
+    >>> from sdpa_book.figures import QUERY, KEY
+    >>> fig, ax = new_canvas(3.0, 1.0)
+    >>> legend = role_legend(ax, [("query", QUERY), ("key", KEY)])
+    >>> [t.get_text() for t in legend.get_texts()]
+    ['query', 'key']
+    """
+    from matplotlib.patches import Patch
+
+    entries = list(entries)
+    if not entries:
+        raise ValueError("entries must hold at least one (label, colour) pair; got none")
+    handles = []
+    for entry in entries:
+        label, color, *extra = entry
+        props = {"edgecolor": _shade(color) if color not in ("white", "#ffffff") else NEUTRAL}
+        if extra:
+            props.update(extra[0])
+        handles.append(Patch(facecolor=color, label=label, linewidth=1.0, **props))
+    return ax.legend(handles=handles, loc=loc, bbox_to_anchor=anchor, bbox_transform=ax.transAxes,
+                     ncols=ncols or len(handles), frameon=False, fontsize=LABEL_PT,
+                     handlelength=1.4, handleheight=1.0, columnspacing=1.2, borderaxespad=0.1,
+                     borderpad=0.1)
+
+
+def figure_texts(fig) -> list[str]:
+    """The non-empty texts a figure shows, in drawing order: labels, then legends and titles.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import attention_pipeline_diagram, figure_texts
+    >>> "(5, 7)" in figure_texts(attention_pipeline_diagram(5, 7, 3, 2))  # scores (T, S)
+    True
+    """
+    texts = list(fig.texts)
+    titles = []
+    for ax in fig.axes:
+        texts += ax.texts
+        titles += [ax.get_title(loc) for loc in ("left", "center", "right")]
+        legend = ax.get_legend()
+        if legend is not None:
+            texts += legend.get_texts()
+    shown = [t.get_text() for t in texts if t.get_visible()]
+    return [text for text in shown + titles if text.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. One token becoming a query, a key and a value
+
+
+def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
+    r"""One token's embedding ``x`` becoming its query, key and value: ``q = x W_Q``, ...
+
+    The embedding row ``x (E,)`` is multiplied by the three projection matrices; the vectors
+    are drawn as rows of cells (with their values when they fit), the matrices as grids
+    labelled with their shapes.
+
+    Parameters
+    ----------
+    x : (E,) array_like
+        The token's embedding.
+    W_q, W_k : (E, Dk) array_like
+        Query and key projections.
+    W_v : (E, Dv) array_like
+        Value projection.
+    token : str, default "cat"
+        The word the embedding stands for.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If an array is not real, or ``token`` is not a str.
+    ValueError
+        If an array has the wrong number of dimensions, the projections do not have ``E``
+        rows, ``W_q`` and ``W_k`` differ in ``Dk``, or a size is too large to draw (more
+        than 48).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_book.diagrams import token_qkv_diagram, figure_texts
+    >>> rng = np.random.default_rng(0)
+    >>> E, Dk, Dv = 4, 3, 2
+    >>> fig = token_qkv_diagram(rng.standard_normal(E), rng.standard_normal((E, Dk)),
+    ...                         rng.standard_normal((E, Dk)), rng.standard_normal((E, Dv)))
+    >>> [t for t in figure_texts(fig) if t.startswith("(")]  # x, W_Q, q, W_K, k, W_V, v
+    ['(4,)', '(4, 3)', '(3,)', '(4, 3)', '(3,)', '(4, 2)', '(2,)']
+    """
+    if not isinstance(token, str):
+        raise TypeError(f"token must be a str; got {type(token).__name__}")
+    x = _real_array(x, "x", 1)
+    W_q, W_k, W_v = (_real_array(W, n, 2) for W, n in ((W_q, "W_q"), (W_k, "W_k"), (W_v, "W_v")))
+    E = x.shape[0]
+    for W, n in ((W_q, "W_q"), (W_k, "W_k"), (W_v, "W_v")):
+        if W.shape[0] != E:
+            raise ValueError(f"{n} must have E = {E} rows, one per entry of x; got x.shape={x.shape}, {n}.shape={W.shape}")
+    if W_q.shape[1] != W_k.shape[1]:
+        raise ValueError(f"W_q and W_k must share the width Dk; got W_q.shape={W_q.shape}, W_k.shape={W_k.shape}")
+    Dk, Dv = W_q.shape[1], W_v.shape[1]
+    for n, v in (("E", E), ("Dk", Dk), ("Dv", Dv)):
+        _at_most(v, MAX_CELLS, n)
+
+    branches = [("q", "Q", W_q, ("E", "D_k"), QUERY, ("D_k",)),
+                ("k", "K", W_k, ("E", "D_k"), KEY, ("D_k",)),
+                ("v", "V", W_v, ("E", "D_v"), VALUE, ("D_v",))]
+    token_text = f"\u201c{token}\u201d"
+    token_w = text_size(token_text, NAME_PT)[0] + 0.2
+    widest = max(Dk, Dv)
+    out_names = [f"${o} = x\\,W_{b}$" for o, b, *_ in branches]
+    name_w = max(text_size(n, NAME_PT)[0] for n in out_names)
+    # Vector cells: wide enough for two decimals when the row fits, else narrower and blank.
+    fixed = 2 * MARGIN + token_w + 0.3 + 0.45 + 0.45 + 0.1
+    unit_w = min(0.17, 1.2 / widest, 0.85 / E)  # projection grids: at most 0.85 in high
+    room = FULL_WIDTH - fixed - widest * unit_w
+    cell = min(0.44, room / (E + widest))
+    cell = max(cell, 0.05)
+    vec_h = max(min(cell, 0.24), 0.12)
+
+    rows_h = [max(E * unit_w, 0.1) for _ in branches]
+    label_above = _line_height(NAME_PT) + 0.07
+    label_below = 2 * _line_height(LABEL_PT) + 0.07
+    branch_h = [h + label_above + label_below + 0.12 for h in rows_h]
+    height = sum(branch_h) + 2 * MARGIN
+
+    x_vec0 = MARGIN + token_w + 0.3
+    x_w0 = x_vec0 + E * cell + 0.45
+    x_out0 = x_w0 + widest * unit_w + 0.45
+    width = max(x_out0 + widest * cell, x_out0 + name_w) + MARGIN
+    x_w_name = max(text_size("$W_Q$", NAME_PT)[0], text_size(_mathtext_shape(("E", "D_k")))[0])
+    width = min(FULL_WIDTH, max(width, x_w0 + x_w_name + MARGIN))
+    fig, ax = new_canvas(width, height)
+
+    # The middle branch sets the height of x and of the token.
+    y_top = height - MARGIN
+    centres = []
+    for h, bh in zip(rows_h, branch_h):
+        centres.append(y_top - label_above - 0.06 - h / 2)
+        y_top -= bh
+    y_mid = centres[1]
+    tok = draw_box(ax, MARGIN, y_mid - 0.2, token_w, 0.4, token_text, color=NEUTRAL, fill=0.08)
+    x_rect = draw_matrix(ax, x_vec0, y_mid - vec_h / 2, (E,), unit=cell, min_size=vec_h,
+                         color=NEUTRAL, fill=0.12, name="embedding $x$", dims=("E",), values=x,
+                         tag="x")
+    # draw_matrix sizes a 1-D row by `unit`; force the row height to vec_h via min_size.
+    draw_arrow(ax, tok.right, x_rect.left)
+    for (o, b, W, dims, color, out_dims), yc, h in zip(branches, centres, rows_h):
+        w_rect = draw_matrix(ax, x_w0, yc - h / 2, W.shape, unit=unit_w, color=color, fill=0.3,
+                             name=f"$W_{b}$", dims=dims, tag=f"W_{b}")
+        draw_arrow(ax, (x_rect.x1 + 0.04, x_rect.cy), (w_rect.x0 - 0.02, yc))
+        out = x @ W  # (E,) @ (E, D) -> (D,)
+        o_rect = draw_matrix(ax, x_out0, yc - vec_h / 2, out.shape, unit=cell, min_size=vec_h,
+                             color=color, fill=0.35, name=f"${o} = x\\,W_{b}$", dims=out_dims,
+                             values=out, tag=o)
+        draw_arrow(ax, (w_rect.x1 + 0.04, yc), (o_rect.x0 - 0.02, yc))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The whole computation, with shapes
+
+
+def _fit_unit(layout, unit_max: float, width_max: float, height_max: float):
+    """Largest cell side (at most ``unit_max``) for which ``layout(unit)`` fits the bounds.
+
+    ``layout(unit)`` returns ``(width, height, plan)``; returns ``(unit, width, height, plan)``
+    for the chosen unit (the smallest tried if none fits: the canvas then says why).
+    """
+
+    def fits(result):
+        return result[0] <= width_max + 1e-9 and result[1] <= height_max + 1e-9
+
+    best = layout(unit_max)
+    if fits(best):
+        return (unit_max, *best)
+    lo, hi = 1e-6, unit_max  # bisect on a log scale: sizes run from 1 to thousands
+    low = layout(lo)
+    if not fits(low):
+        return (lo, *low)
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        result = layout(mid)
+        if fits(result):
+            lo, low = mid, result
+        else:
+            hi = mid
+    return (lo, *low)
+
+
+def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool = True,
+                               compact: bool = False):
+    r"""The whole computation with its shapes: ``Q, K -> scores -> scale -> mask -> softmax ->
+    weights -> @ V -> out``.
+
+    The matrices are grids whose proportions follow the sizes, laid out as in a hand
+    multiplication: :math:`K^\top` sits above the scores :math:`QK^\top` (row ``i`` of
+    :math:`Q` meets column ``j`` of :math:`K^\top` in score ``(i, j)``), and :math:`V` above
+    the output :math:`O = AV`. Between the scores and the weights :math:`A` come the steps of
+    the softmax; the arrow into the softmax carries :math:`Z`, the scaled, masked scores.
+
+    Parameters
+    ----------
+    T, S, Dk, Dv : int
+        Queries, keys, query/key width, value width.
+    mask : bool, default True
+        Draw the masking step (a causal mask, top-left aligned as in
+        :func:`sdpa.causal_mask`; the weights it sets to zero are grey).
+    compact : bool, default False
+        A smaller version (about 4.8 in wide): symbols only, the three steps in one box.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If a size is not an integer, or ``mask``/``compact`` not a bool.
+    ValueError
+        If a size is not positive.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import attention_pipeline_diagram, figure_texts
+    >>> texts = figure_texts(attention_pipeline_diagram(T=4, S=6, Dk=3, Dv=2))
+    >>> [t for t in texts if t.startswith("(")]  # Q, scores, weights, O; then K^T, V
+    ['(4, 3)', '(4, 6)', '(4, 6)', '(4, 2)', '(3, 6)', '(6, 2)']
+    """
+    T, S, Dk, Dv = (_positive_int(v, n) for v, n in ((T, "T"), (S, "S"), (Dk, "Dk"), (Dv, "Dv")))
+    mask = _flag(mask, "mask")
+    compact = _flag(compact, "compact")
+    words = {} if compact else {"Q": "queries ", "Kt": "keys ", "Z": "scores ", "A": "weights ",
+                                "V": "values ", "O": "out "}
+    specs = {
+        "Q": ((T, Dk), ("T", "D_k"), "$Q$", QUERY),
+        "Kt": ((Dk, S), ("D_k", "S"), "$K^\\top$", KEY),
+        "Z": ((T, S), ("T", "S"), "$QK^\\top$", SCORES),
+        "A": ((T, S), ("T", "S"), "$A$", SCORES),
+        "V": ((S, Dv), ("S", "D_v"), "$V$", VALUE),
+        "O": ((T, Dv), ("T", "D_v"), "$O = AV$", OUTPUT),
+    }
+    names = {k: words.get(k, "") + spec[2] for k, spec in specs.items()}
+    tags = {"Q": "Q", "Kt": "K^T", "Z": "scores", "A": "weights", "V": "V", "O": "O"}
+    labels = {k: _stack_size(_label_lines(names[k], spec[1], spec[0], "s", "s")["s"])
+              for k, spec in specs.items()}
+    step_texts = ["$\\div\\sqrt{D_k}$"] + (["causal\nmask"] if mask else []) + ["softmax"]
+    if compact:
+        step_texts = ["\n".join(t.replace("\n", " ") for t in step_texts)]
+    step_sizes = [text_size(t, NAME_PT) for t in step_texts]
+    step_w = [w + 0.2 for w, _ in step_sizes]
+    step_h = [h + 0.14 for _, h in step_sizes]
+    arrow = 0.32
+    gap = 0.07  # between a product and the matrices it is made of
+
+    def layout(unit):
+        w = {k: _extent(spec[0][1], unit, 0.1) for k, spec in specs.items()}
+        h = {k: _extent(spec[0][0], unit, 0.1) for k, spec in specs.items()}
+        x = {}
+        x["Q"] = MARGIN + max(0.0, (labels["Q"][0] - w["Q"]) / 2)
+        x["Z"] = x["Q"] + w["Q"] + max(gap, (labels["Q"][0] + labels["Z"][0]) / 2 + 0.15
+                                       - (w["Q"] + w["Z"]) / 2)
+        steps_x = [x["Z"] + w["Z"] + arrow]
+        for sw in step_w[:-1]:
+            steps_x.append(steps_x[-1] + sw + arrow)
+        x["A"] = steps_x[-1] + step_w[-1] + arrow
+        # The labels of K^T (right of it) and of V (left of it) share the space above the steps.
+        needed = x["Z"] + w["Z"] + 0.1 + labels["Kt"][0] + 0.25 + labels["V"][0] + 0.1
+        x["O"] = x["A"] + w["A"] + max(gap, (labels["A"][0] + labels["O"][0]) / 2 + 0.15
+                                       - (w["A"] + w["O"]) / 2)
+        if needed > x["O"]:  # lengthen the arrows around the steps evenly
+            extra = (needed - x["O"]) / (len(steps_x) + 1)
+            steps_x = [sx + (i + 1) * extra for i, sx in enumerate(steps_x)]
+            x["A"] += extra * (len(steps_x) + 1)
+            x["O"] += extra * (len(steps_x) + 1)
+        width = x["O"] + w["O"] + max(0.0, (labels["O"][0] - w["O"]) / 2) + MARGIN
+        below = max(labels[k][1] for k in ("Q", "Z", "A", "O")) + 0.06
+        y_row = MARGIN + below
+        row_h = max(h["Q"], max(step_h))
+        y_top_row = y_row + (row_h + h["Q"]) / 2 + gap
+        floor = y_row + row_h / 2 + max(step_h) / 2 + 0.05  # labels beside K^T, V clear the steps
+        top = max(y_top_row + max(h["Kt"], h["V"]),
+                  *(max(y_top_row + h[k] / 2 + labels[k][1] / 2, floor + labels[k][1])
+                    for k in ("Kt", "V"))) + MARGIN
+        return width, top, (w, h, x, steps_x, y_row, y_top_row)
+
+    width_max = 4.8 if compact else FULL_WIDTH
+    unit, width, height, plan = _fit_unit(layout, 0.16 if compact else 0.22, width_max,
+                                          2.6 if compact else 3.6)
+    w, h, x, steps_x, y_row, y_top_row = plan
+    fig, ax = new_canvas(width, height)
+    floor = y_row + max(h["Q"], max(step_h)) / 2 + max(step_h) / 2 + 0.05
+    # The bottom row is centred on the taller of the query grid and the step boxes.
+    row_h = max(h["Q"], max(step_h))
+    y_q = y_row + (row_h - h["Q"]) / 2
+    grids = {}
+    for key, (shape, dims, _, color) in specs.items():
+        if key in ("Kt", "V"):
+            continue
+        masked = None
+        if key == "A" and mask:
+            masked = np.triu(np.ones((T, S), dtype=bool), k=1)  # top-left causal: j > i
+        grids[key] = draw_matrix(ax, x[key], y_q, shape, unit=unit, color=color,
+                                 name=names[key], dims=dims, name_at="below", shape_at="below",
+                                 masked=masked, fill=0.45 if key in ("Z", "A") else 0.35,
+                                 tag=tags[key])
+    for key, over, side in (("Kt", "Z", "right"), ("V", "O", "left")):
+        shape, dims, _, color = specs[key]
+        grids[key] = draw_matrix(ax, x[over], grids[over].y1 + gap, shape, unit=unit,
+                                 color=color, name=names[key], dims=dims, name_at=side,
+                                 shape_at=side, label_floor=floor, tag=tags[key])
+    yc = grids["Z"].cy
+    boxes = [draw_box(ax, sx, yc - sh / 2, sw, sh, text, color=NEUTRAL, fill=0.1)
+             for sx, sw, sh, text in zip(steps_x, step_w, step_h, step_texts)]
+    points = [grids["Z"].right] + [p for b in boxes for p in (b.left, b.right)] + [grids["A"].left]
+    for i in range(0, len(points), 2):
+        into_softmax = i == len(points) - 4 and not compact
+        into_weights = i == len(points) - 2 and compact
+        label = "$Z$" if into_softmax or into_weights else None
+        draw_arrow(ax, (points[i][0] + 0.03, yc), (points[i + 1][0] - 0.03, yc), label=label)
+    return fig

@@ -1,0 +1,399 @@
+"""The book's diagrams (sdpa_book.diagrams): each draws, shows the shapes it was given, keeps the
+proportions of the sizes, changes when a size changes, and stays legible (fonts of at least
+MIN_FONT_PT, no text clipped or overlapping other text, at most FULL_WIDTH wide)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from matplotlib.collections import PatchCollection  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from sdpa_book import diagrams as dg  # noqa: E402
+from sdpa_book.figures import FULL_WIDTH, KEY, MIN_FONT_PT, QUERY  # noqa: E402
+
+
+def shapes(fig) -> list[str]:
+    """The numeric shape labels, e.g. "(4, 3)", in drawing order."""
+    return [t for t in dg.figure_texts(fig) if t.startswith("(") and t[1:2].isdigit()]
+
+
+def assert_legible(fig) -> None:
+    """White, at most FULL_WIDTH wide, fonts >= MIN_FONT_PT, texts inside and apart."""
+    width, height = fig.get_size_inches()
+    assert width <= FULL_WIDTH + 1e-9
+    assert fig.get_facecolor() == (1.0, 1.0, 1.0, 1.0)
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert texts, "a diagram without text"
+    boxes = []
+    for t in texts:
+        assert t.get_fontsize() >= MIN_FONT_PT, (t.get_text(), t.get_fontsize())
+        box = t.get_window_extent(renderer)
+        # inside the canvas (1 px of tolerance for antialiasing)
+        assert box.x0 >= -1 and box.y0 >= -1, t.get_text()
+        assert box.x1 <= width * fig.dpi + 1 and box.y1 <= height * fig.dpi + 1, t.get_text()
+        boxes.append((t.get_text(), box.shrunk(0.97, 0.9)))
+    for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2):
+        assert not box_a.overlaps(box_b), f"texts overlap: {a!r} and {b!r}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def test_new_canvas_is_in_inches_and_white():
+    fig, ax = dg.new_canvas(3.5, 2.0)
+    assert tuple(fig.get_size_inches()) == (3.5, 2.0)
+    assert ax.get_xlim() == (0.0, 3.5) and ax.get_ylim() == (0.0, 2.0)
+    assert fig.get_facecolor() == (1.0, 1.0, 1.0, 1.0)
+    assert not ax.axison
+
+
+def test_new_canvas_rejects_a_width_beyond_the_column():
+    with pytest.raises(ValueError, match=r"width must be at most FULL_WIDTH = 7.0 inches; got 7.5"):
+        dg.new_canvas(7.5, 1.0)
+
+
+def test_new_canvas_rejects_a_size_that_is_not_a_number():
+    with pytest.raises(TypeError, match="height must be a positive number; got '2'"):
+        dg.new_canvas(3.0, "2")
+
+
+def test_new_canvas_rejects_a_size_that_is_not_positive():
+    with pytest.raises(ValueError, match="height must be a positive number; got 0"):
+        dg.new_canvas(3.0, 0)
+
+
+def test_draw_box_returns_its_rectangle_and_centres_its_text():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    rect = dg.draw_box(ax, 0.5, 0.2, 2.0, 0.6, "mask")
+    assert (rect.x0, rect.y0, rect.x1, rect.y1) == (0.5, 0.2, 2.5, 0.8)
+    (text,) = ax.texts
+    assert text.get_text() == "mask" and text.get_position() == (1.5, 0.5)
+    assert_legible(fig)
+
+
+def test_draw_box_rejects_a_fill_outside_zero_one():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    with pytest.raises(ValueError, match=r"fill must lie in \[0, 1\]; got 1.5"):
+        dg.draw_box(ax, 0, 0, 1, 1, fill=1.5)
+
+
+def test_helpers_reject_text_under_the_minimum_font_size():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    with pytest.raises(ValueError, match="fontsize must be at least MIN_FONT_PT = 9 pt; got 8"):
+        dg.draw_box(ax, 0, 0, 1, 1, "x", fontsize=8)
+
+
+def test_draw_arrow_joins_its_points_and_labels_the_middle():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    arrow = dg.draw_arrow(ax, (0.2, 0.5), (2.8, 0.5), label="$Z$")
+    path = arrow.get_path().vertices
+    assert np.allclose(path[0], (0.2, 0.5)) or arrow._posA_posB == [(0.2, 0.5), (2.8, 0.5)]
+    (text,) = ax.texts
+    assert text.get_text() == "$Z$" and text.get_position()[0] == pytest.approx(1.5)
+    assert text.get_position()[1] > 0.5  # above the arrow
+    assert_legible(fig)
+
+
+def test_draw_arrow_rejects_an_unknown_label_side():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    with pytest.raises(ValueError, match="label_side must be one of"):
+        dg.draw_arrow(ax, (0, 0), (1, 1), label="x", label_side="middle")
+
+
+def test_draw_matrix_sizes_follow_the_shape_and_labels_name_it():
+    fig, ax = dg.new_canvas(4.0, 2.5)
+    rect = dg.draw_matrix(ax, 0.5, 0.6, (5, 7), unit=0.2, color=QUERY, name="$Q$",
+                          dims=("T", "D_k"), tag="Q")
+    assert (round(rect.width, 9), round(rect.height, 9)) == (1.4, 1.0)  # 7 x 0.2 by 5 x 0.2
+    assert dg.grid_sizes(fig) == {"Q": pytest.approx((1.4, 1.0))}
+    assert dg.figure_texts(fig) == ["$Q$", "$(T, D_k)$", "(5, 7)"]
+    assert_legible(fig)
+
+
+def test_draw_matrix_draws_a_vector_as_one_row_with_its_values():
+    fig, ax = dg.new_canvas(3.0, 1.2)
+    rect = dg.draw_matrix(ax, 0.3, 0.5, (3,), unit=0.5, color=KEY, dims=("D_k",),
+                          values=[0.25, -1.5, 12.0])
+    assert (rect.width, rect.height) == (1.5, 0.5)
+    # hand-formatted: two decimals, one from 10 on, a true minus sign
+    assert dg.figure_texts(fig) == ["0.25", "\N{MINUS SIGN}1.50", "12.0", "$(D_k,)$", "(3,)"]
+    assert_legible(fig)
+
+
+def test_draw_matrix_greys_the_masked_cells():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    masked = np.array([[False, True, True], [False, False, True]])
+    dg.draw_matrix(ax, 0.2, 0.2, (2, 3), unit=0.4, color=KEY, masked=masked)
+    (cells,) = [c for c in ax.collections if isinstance(c, PatchCollection)]
+    corners = sorted(tuple(np.round(p.vertices.min(axis=0), 6)) for p in cells.get_paths())
+    # row 0 is the top row: cells (0, 1), (0, 2) at y = 0.6, cell (1, 2) at y = 0.2
+    assert corners == [(0.6, 0.6), (1.0, 0.2), (1.0, 0.6)]
+
+
+def test_draw_matrix_keeps_a_thin_matrix_visible():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    rect = dg.draw_matrix(ax, 0.2, 0.2, (1, 1000), unit=0.001, color=KEY)
+    assert rect.height == pytest.approx(0.1) and rect.width == pytest.approx(1.0)
+
+
+def test_draw_matrix_rejects_a_shape_of_three_sizes():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(ValueError, match=r"shape must be \(rows, cols\) or \(n,\); got \(2, 3, 4\)"):
+        dg.draw_matrix(ax, 0, 0, (2, 3, 4), unit=0.1, color=KEY)
+
+
+def test_draw_matrix_rejects_dims_that_do_not_match_the_shape():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(ValueError, match=r"dims must name each of the 2 sizes of shape=\(2, 3\)"):
+        dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, dims=("T",))
+
+
+def test_draw_matrix_rejects_values_of_another_shape():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(ValueError, match=r"values must have the matrix's shape \(2, 3\); got \(3, 2\)"):
+        dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, values=np.zeros((3, 2)))
+
+
+def test_draw_matrix_rejects_a_mask_of_another_shape():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(ValueError, match=r"masked must have the matrix's shape \(2, 3\); got \(2, 2\)"):
+        dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, masked=np.eye(2, dtype=bool))
+
+
+def test_draw_matrix_rejects_an_unknown_label_side():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(ValueError, match="a label side must be 'above', 'below', 'left' or 'right'"):
+        dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, name="$K$", name_at="inside")
+
+
+def test_draw_matrix_rejects_a_size_that_is_not_an_integer():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(TypeError, match="shape must be a positive integer; got 2.5"):
+        dg.draw_matrix(ax, 0, 0, (2.5, 3), unit=0.1, color=KEY)
+
+
+def test_draw_bracket_spans_its_range_and_labels_its_middle():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    text = dg.draw_bracket(ax, 0.5, 2.5, 0.3, "$G = 4$")
+    (line, tick) = ax.lines
+    xs, ys = line.get_data()
+    assert (min(xs), max(xs)) == (0.5, 2.5) and min(ys) == 0.3
+    assert text.get_position()[0] == 1.5 and text.get_position()[1] > max(ys)
+    assert_legible(fig)
+
+
+def test_draw_bracket_on_the_left_spans_heights():
+    fig, ax = dg.new_canvas(3.0, 2.0)
+    text = dg.draw_bracket(ax, 0.4, 1.6, 2.0, "rows", side="left")
+    xs, ys = ax.lines[0].get_data()
+    assert (min(ys), max(ys)) == (0.4, 1.6) and max(xs) == 2.0
+    assert text.get_position()[0] < 2.0 and text.get_ha() == "right"
+
+
+def test_draw_bracket_rejects_an_unknown_side():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    with pytest.raises(ValueError, match="side must be 'above', 'below', 'left' or 'right'; got 'up'"):
+        dg.draw_bracket(ax, 0, 1, 0, side="up")
+
+
+def test_draw_bracket_rejects_an_empty_span():
+    fig, ax = dg.new_canvas(3.0, 1.0)
+    with pytest.raises(ValueError, match="stop must be greater than start; got start=1, stop=1"):
+        dg.draw_bracket(ax, 1, 1, 0)
+
+
+def test_role_legend_has_one_patch_per_role():
+    fig, ax = dg.new_canvas(4.0, 1.0)
+    legend = dg.role_legend(ax, [("query", QUERY), ("key", KEY), ("empty", "white", {"linestyle": "--"})])
+    assert [t.get_text() for t in legend.get_texts()] == ["query", "key", "empty"]
+    handles = legend.legend_handles
+    assert all(isinstance(h, Patch) for h in handles)
+    assert handles[0].get_facecolor()[:3] == pytest.approx((0xE6 / 255, 0x9F / 255, 0))
+    assert_legible(fig)
+
+
+def test_role_legend_rejects_no_entries():
+    fig, ax = dg.new_canvas(4.0, 1.0)
+    with pytest.raises(ValueError, match="entries must hold at least one"):
+        dg.role_legend(ax, [])
+
+
+def test_text_size_grows_with_the_text_and_the_lines():
+    w1, h1 = dg.text_size("(4, 3)")
+    w2, _ = dg.text_size("(1024, 64)")
+    w3, h3 = dg.text_size("(4, 3)\n(4, 3)")
+    assert 0 < w1 < w2 and w3 == pytest.approx(w1) and h3 == pytest.approx(2 * h1)
+    assert dg.text_size("(4, 3)", 18)[0] == pytest.approx(2 * w1, rel=0.05)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. token -> q, k, v
+
+
+@pytest.fixture
+def token_arrays(rng):
+    E, Dk, Dv = 5, 3, 2
+    return (rng.standard_normal(E), rng.standard_normal((E, Dk)), rng.standard_normal((E, Dk)),
+            rng.standard_normal((E, Dv)))
+
+
+def test_token_qkv_labels_the_shapes_and_values_it_was_given(token_arrays):
+    x, W_q, W_k, W_v = token_arrays
+    fig = dg.token_qkv_diagram(x, W_q, W_k, W_v, token="sat")
+    texts = dg.figure_texts(fig)
+    assert shapes(fig) == ["(5,)", "(5, 3)", "(3,)", "(5, 3)", "(3,)", "(5, 2)", "(2,)"]
+    assert "\u201csat\u201d" in texts and "$W_Q$" in texts and "$q = x\\,W_Q$" in texts
+    # the query's values, computed here by a float64 loop, are written in its cells
+    q = [sum(x[e] * W_q[e, d] for e in range(5)) for d in range(3)]
+    for value in q:
+        assert f"{value:.2f}".replace("-", "\N{MINUS SIGN}") in texts
+    sizes = dg.grid_sizes(fig)
+    assert sizes["W_Q"][0] / sizes["W_Q"][1] == pytest.approx(3 / 5)  # (E, Dk) = (5, 3)
+    assert sizes["q"][0] / sizes["v"][0] == pytest.approx(3 / 2)  # Dk / Dv
+    assert_legible(fig)
+
+
+def test_token_qkv_changes_with_the_width(rng):
+    E = 4
+    figs = [dg.token_qkv_diagram(rng.standard_normal(E), rng.standard_normal((E, d)),
+                                 rng.standard_normal((E, d)), rng.standard_normal((E, 2)))
+            for d in (3, 6)]
+    assert "(4, 6)" in shapes(figs[1]) and "(4, 6)" not in shapes(figs[0])
+    assert dg.grid_sizes(figs[1])["q"][0] > dg.grid_sizes(figs[0])["q"][0]
+
+
+def test_token_qkv_hides_values_when_the_cells_are_too_narrow(rng):
+    E = 40
+    fig = dg.token_qkv_diagram(rng.standard_normal(E), rng.standard_normal((E, 8)),
+                               rng.standard_normal((E, 8)), rng.standard_normal((E, 8)))
+    assert not [t for t in dg.figure_texts(fig) if t[:1].isdigit() or t[:1] == "\N{MINUS SIGN}"]
+    assert_legible(fig)
+
+
+def test_token_qkv_rejects_a_token_that_is_not_a_string(token_arrays):
+    with pytest.raises(TypeError, match="token must be a str; got int"):
+        dg.token_qkv_diagram(*token_arrays, token=3)
+
+
+def test_token_qkv_rejects_a_missing_array(token_arrays):
+    x, W_q, W_k, W_v = token_arrays
+    with pytest.raises(TypeError, match="W_k must be a 2-D array of real numbers; got None"):
+        dg.token_qkv_diagram(x, W_q, None, W_v)
+
+
+def test_token_qkv_rejects_a_complex_array(token_arrays):
+    x, W_q, W_k, W_v = token_arrays
+    with pytest.raises(TypeError, match="x must be a 1-D array of real numbers; got dtype complex128"):
+        dg.token_qkv_diagram(x + 1j, W_q, W_k, W_v)
+
+
+def test_token_qkv_rejects_an_embedding_that_is_not_a_row(token_arrays):
+    x, W_q, W_k, W_v = token_arrays
+    with pytest.raises(ValueError, match=r"x must be a non-empty 1-D array; got x.shape=\(1, 5\)"):
+        dg.token_qkv_diagram(x[None], W_q, W_k, W_v)
+
+
+def test_token_qkv_rejects_a_projection_with_the_wrong_rows(token_arrays):
+    x, W_q, W_k, W_v = token_arrays
+    with pytest.raises(ValueError, match=r"W_v must have E = 5 rows.*W_v.shape=\(4, 2\)"):
+        dg.token_qkv_diagram(x, W_q, W_k, W_v[:4])
+
+
+def test_token_qkv_rejects_query_and_key_widths_that_differ(token_arrays):
+    x, W_q, W_k, W_v = token_arrays
+    with pytest.raises(ValueError, match=r"W_q and W_k must share the width Dk; got W_q.shape=\(5, 3\), W_k.shape=\(5, 2\)"):
+        dg.token_qkv_diagram(x, W_q, W_k[:, :2], W_v)
+
+
+def test_token_qkv_rejects_a_width_too_large_to_draw(rng):
+    E = 49
+    with pytest.raises(ValueError, match="E must be at most 48 to be drawn legibly; got E=49"):
+        dg.token_qkv_diagram(np.ones(E), np.ones((E, 2)), np.ones((E, 2)), np.ones((E, 2)))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. the pipeline
+
+
+def test_pipeline_labels_every_shape_it_was_given():
+    T, S, Dk, Dv = 3, 5, 7, 2
+    fig = dg.attention_pipeline_diagram(T, S, Dk, Dv)
+    # Q (T, Dk), scores (T, S), weights (T, S), O (T, Dv), K^T (Dk, S), V (S, Dv)
+    assert shapes(fig) == ["(3, 7)", "(3, 5)", "(3, 5)", "(3, 2)", "(7, 5)", "(5, 2)"]
+    texts = dg.figure_texts(fig)
+    for label in ("queries $Q$", "keys $K^\\top$", "scores $QK^\\top$", "weights $A$",
+                  "values $V$", "out $O = AV$", "$(T, D_k)$", "$(D_k, S)$", "$(S, D_v)$",
+                  "$\\div\\sqrt{D_k}$", "causal\nmask", "softmax", "$Z$"):
+        assert label in texts, label
+    assert_legible(fig)
+
+
+def test_pipeline_grids_keep_the_proportions_of_the_sizes():
+    T, S, Dk, Dv = 3, 5, 7, 2
+    sizes = dg.grid_sizes(dg.attention_pipeline_diagram(T, S, Dk, Dv))
+    unit = sizes["Q"][0] / Dk
+    expected = {"Q": (Dk, T), "K^T": (S, Dk), "scores": (S, T), "weights": (S, T),
+                "V": (Dv, S), "O": (Dv, T)}
+    for tag, (cols, rows) in expected.items():
+        assert sizes[tag] == pytest.approx((cols * unit, rows * unit)), tag
+
+
+def test_pipeline_greys_the_causal_cells_of_the_weights_only_with_a_mask():
+    T, S = 3, 5
+
+    def grey_cells(fig):
+        ax = fig.axes[0]
+        return sum(len(c.get_paths()) for c in ax.collections if isinstance(c, PatchCollection))
+
+    # top-left causal: query i sees keys j <= i, so row i masks S - 1 - i keys
+    assert grey_cells(dg.attention_pipeline_diagram(T, S, 2, 2)) == sum(S - 1 - i for i in range(T))
+    fig = dg.attention_pipeline_diagram(T, S, 2, 2, mask=False)
+    assert grey_cells(fig) == 0 and "causal\nmask" not in dg.figure_texts(fig)
+
+
+def test_pipeline_changes_when_a_size_changes():
+    a = dg.attention_pipeline_diagram(4, 6, 3, 2)
+    b = dg.attention_pipeline_diagram(4, 9, 3, 2)
+    assert "(4, 9)" in shapes(b) and "(4, 9)" not in shapes(a)
+    ratio = lambda fig: dg.grid_sizes(fig)["scores"][0] / dg.grid_sizes(fig)["Q"][0]  # noqa: E731
+    assert ratio(a) == pytest.approx(6 / 3) and ratio(b) == pytest.approx(9 / 3)
+
+
+def test_pipeline_compact_is_smaller_and_still_labelled():
+    full = dg.attention_pipeline_diagram(4, 6, 3, 2)
+    small = dg.attention_pipeline_diagram(4, 6, 3, 2, compact=True)
+    assert small.get_size_inches()[0] < 0.75 * full.get_size_inches()[0]
+    assert shapes(small) == shapes(full)
+    assert "$\\div\\sqrt{D_k}$\ncausal mask\nsoftmax" in dg.figure_texts(small)
+    assert_legible(small)
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 1), (1, 7, 1, 1), (2, 12, 6, 3), (1024, 1024, 64, 64)])
+def test_pipeline_stays_legible_at_extreme_sizes(sizes):
+    for compact in (False, True):
+        assert_legible(dg.attention_pipeline_diagram(*sizes, compact=compact))
+
+
+def test_pipeline_rejects_a_size_that_is_not_an_integer():
+    with pytest.raises(TypeError, match="Dk must be a positive integer; got 2.0"):
+        dg.attention_pipeline_diagram(4, 6, 2.0, 2)
+
+
+def test_pipeline_rejects_a_size_that_is_not_positive():
+    with pytest.raises(ValueError, match="S must be a positive integer; got 0"):
+        dg.attention_pipeline_diagram(4, 0, 2, 2)
+
+
+def test_pipeline_rejects_a_mask_flag_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="mask must be a bool; got 'causal'"):
+        dg.attention_pipeline_diagram(4, 6, 2, 2, mask="causal")
