@@ -115,7 +115,7 @@ def test_draw_matrix_sizes_follow_the_shape_and_labels_name_it():
     rect = dg.draw_matrix(ax, 0.5, 0.6, (5, 7), unit=0.2, color=QUERY, name="$Q$",
                           dims=("T", "D_k"), tag="Q")
     assert (round(rect.width, 9), round(rect.height, 9)) == (1.4, 1.0)  # 7 x 0.2 by 5 x 0.2
-    assert dg.grid_sizes(fig) == {"Q": pytest.approx((1.4, 1.0))}
+    assert dg.tagged_rects(fig) == {"Q": rect}
     assert dg.figure_texts(fig) == ["$Q$", "$(T, D_k)$", "(5, 7)"]
     assert_legible(fig)
 
@@ -257,9 +257,9 @@ def test_token_qkv_labels_the_shapes_and_values_it_was_given(token_arrays):
     q = [sum(x[e] * W_q[e, d] for e in range(5)) for d in range(3)]
     for value in q:
         assert f"{value:.2f}".replace("-", "\N{MINUS SIGN}") in texts
-    sizes = dg.grid_sizes(fig)
-    assert sizes["W_Q"][0] / sizes["W_Q"][1] == pytest.approx(3 / 5)  # (E, Dk) = (5, 3)
-    assert sizes["q"][0] / sizes["v"][0] == pytest.approx(3 / 2)  # Dk / Dv
+    rects = dg.tagged_rects(fig)
+    assert rects["W_Q"].width / rects["W_Q"].height == pytest.approx(3 / 5)  # (E, Dk) = (5, 3)
+    assert rects["q"].width / rects["v"].width == pytest.approx(3 / 2)  # Dk / Dv
     assert_legible(fig)
 
 
@@ -269,7 +269,7 @@ def test_token_qkv_changes_with_the_width(rng):
                                  rng.standard_normal((E, d)), rng.standard_normal((E, 2)))
             for d in (3, 6)]
     assert "(4, 6)" in shapes(figs[1]) and "(4, 6)" not in shapes(figs[0])
-    assert dg.grid_sizes(figs[1])["q"][0] > dg.grid_sizes(figs[0])["q"][0]
+    assert dg.tagged_rects(figs[1])["q"].width > dg.tagged_rects(figs[0])["q"].width
 
 
 def test_token_qkv_hides_values_when_the_cells_are_too_narrow(rng):
@@ -340,12 +340,12 @@ def test_pipeline_labels_every_shape_it_was_given():
 
 def test_pipeline_grids_keep_the_proportions_of_the_sizes():
     T, S, Dk, Dv = 3, 5, 7, 2
-    sizes = dg.grid_sizes(dg.attention_pipeline_diagram(T, S, Dk, Dv))
-    unit = sizes["Q"][0] / Dk
+    rects = dg.tagged_rects(dg.attention_pipeline_diagram(T, S, Dk, Dv))
+    unit = rects["Q"].width / Dk
     expected = {"Q": (Dk, T), "K^T": (S, Dk), "scores": (S, T), "weights": (S, T),
                 "V": (Dv, S), "O": (Dv, T)}
     for tag, (cols, rows) in expected.items():
-        assert sizes[tag] == pytest.approx((cols * unit, rows * unit)), tag
+        assert (rects[tag].width, rects[tag].height) == pytest.approx((cols * unit, rows * unit)), tag
 
 
 def test_pipeline_greys_the_causal_cells_of_the_weights_only_with_a_mask():
@@ -365,7 +365,7 @@ def test_pipeline_changes_when_a_size_changes():
     a = dg.attention_pipeline_diagram(4, 6, 3, 2)
     b = dg.attention_pipeline_diagram(4, 9, 3, 2)
     assert "(4, 9)" in shapes(b) and "(4, 9)" not in shapes(a)
-    ratio = lambda fig: dg.grid_sizes(fig)["scores"][0] / dg.grid_sizes(fig)["Q"][0]  # noqa: E731
+    ratio = lambda fig: dg.tagged_rects(fig)["scores"].width / dg.tagged_rects(fig)["Q"].width  # noqa: E731
     assert ratio(a) == pytest.approx(6 / 3) and ratio(b) == pytest.approx(9 / 3)
 
 
@@ -397,3 +397,117 @@ def test_pipeline_rejects_a_size_that_is_not_positive():
 def test_pipeline_rejects_a_mask_flag_that_is_not_a_bool():
     with pytest.raises(TypeError, match="mask must be a bool; got 'causal'"):
         dg.attention_pipeline_diagram(4, 6, 2, 2, mask="causal")
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. multi-head attention, grouped heads
+
+
+def test_multihead_labels_every_shape_it_was_given():
+    T, E, H, Dk, Dv = 5, 11, 3, 2, 7
+    fig = dg.multihead_diagram(T, E, H, Dk, Dv)
+    # X (T, E); W_Q, W_K (E, H Dk), W_V (E, H Dv); Q, K (T, H Dk), V (T, H Dv); a head's out
+    # (T, Dv); the concatenation (T, H Dv); W_O (H Dv, E); out (T, E)
+    assert shapes(fig) == ["(5, 11)", "(5, 6)", "(5, 6)", "(5, 21)", "(5, 7)", "(5, 21)", "(5, 11)"]
+    texts = dg.figure_texts(fig)
+    assert "$W_Q$\n$(E, HD_k)$\n(11, 6)" in texts and "$W_V$\n$(E, HD_v)$\n(11, 21)" in texts
+    assert "$W_O$\n$(HD_v, E)$\n(21, 11)" in texts
+    assert [t for t in texts if t.startswith("head ")] == ["head 1", "head 2", "head 3"]
+    assert_legible(fig)
+
+
+def test_multihead_grids_keep_the_proportions_and_split_into_heads():
+    T, E, H, Dk, Dv = 5, 11, 3, 2, 7
+    fig = dg.multihead_diagram(T, E, H, Dk, Dv)
+    rects = dg.tagged_rects(fig)
+    unit = rects["X"].width / E
+    for tag, cols in (("Q", H * Dk), ("K", H * Dk), ("V", H * Dv), ("concat", H * Dv), ("out", E)):
+        assert rects[tag].width == pytest.approx(cols * unit), tag
+        assert rects[tag].height == pytest.approx(T * unit), tag
+    # H - 1 heavy lines split Q, K, V and the concatenation into heads
+    from matplotlib.collections import LineCollection
+
+    heavy = [c for c in fig.axes[0].collections
+             if isinstance(c, LineCollection) and c.get_linewidths()[0] == 1.6]
+    assert [len(c.get_segments()) for c in heavy] == [H - 1] * 4
+
+
+def test_multihead_draws_the_first_two_and_the_last_of_many_heads():
+    fig = dg.multihead_diagram(4, 32, 8, 4, 4)
+    texts = dg.figure_texts(fig)
+    assert [t for t in texts if t.startswith("head ")] == ["head 1", "head 2", "head 8"]
+    assert "\N{HORIZONTAL ELLIPSIS}" in texts
+    assert_legible(fig)
+
+
+def test_multihead_changes_when_a_size_changes():
+    a, b = dg.multihead_diagram(5, 12, 3, 4, 4), dg.multihead_diagram(5, 12, 2, 6, 4)
+    assert "(5, 8)" in shapes(b) and "(5, 8)" not in shapes(a)  # concatenation (T, H Dv)
+    assert dg.tagged_rects(b)["concat"].width < dg.tagged_rects(a)["concat"].width
+
+
+def test_multihead_stays_legible_with_large_sizes():
+    assert_legible(dg.multihead_diagram(2, 512, 8, 64, 64))
+
+
+def test_multihead_rejects_a_size_that_is_not_positive():
+    with pytest.raises(ValueError, match="H must be a positive integer; got -2"):
+        dg.multihead_diagram(5, 12, -2, 4, 4)
+
+
+def test_grouped_heads_join_each_query_head_to_the_key_of_its_group():
+    Hq = 6
+    fig = dg.grouped_heads_diagram(Hq, [6, 3, 2, 1])
+    rects = dg.tagged_rects(fig)
+    ends = [line.get_xydata() for line in fig.axes[0].lines if len(line.get_xydata()) == 2]
+    for p, Hkv in enumerate([6, 3, 2, 1]):
+        G = Hq // Hkv
+        for h in range(Hq):
+            q = rects[f"{p}: query {h}"]
+            (link,) = [e for e in ends if np.allclose(e[0], q.bottom)]
+            # the link ends on top of key head h // G (hand-computed group), the closest one
+            keys = [rects[f"{p}: key {g}"] for g in range(Hkv)]
+            nearest = min(range(Hkv), key=lambda g: abs(keys[g].cx - link[1][0]))
+            assert nearest == h // G and link[1][1] == pytest.approx(keys[nearest].y1)
+        assert f"{p}: key {Hkv}" not in rects and f"{p}: value {Hkv - 1}" in rects
+    assert "cached:\n3 key and 3 value heads" in dg.figure_texts(fig)  # narrow: two lines
+    assert_legible(fig)
+
+
+def test_grouped_heads_name_the_three_kinds():
+    fig = dg.grouped_heads_diagram(8, [8, 2, 1])
+    texts = dg.figure_texts(fig)
+    assert [t for t in texts if "(" in t and "A)" in t] == [
+        "multi-head (MHA)", "grouped-query (GQA)", "multi-query (MQA)"]
+    assert "$H_q = 8$, $H_{kv} = 2$, $G = 4$" in texts
+    assert "cached: 2 key and 2 value heads" in texts and "cached: 1 key and 1 value head" in texts
+    assert texts[-3:] == ["query head", "key head", "value head"]
+    assert_legible(fig)
+
+
+def test_grouped_heads_changes_with_the_number_of_key_value_heads():
+    a, b = dg.grouped_heads_diagram(8, 2), dg.grouped_heads_diagram(8, 4)
+    keys = lambda fig: sorted(t for t in dg.tagged_rects(fig) if ": key " in t)  # noqa: E731
+    assert len(keys(a)) == 2 and len(keys(b)) == 4
+    assert_legible(a)
+    assert_legible(dg.grouped_heads_diagram(32, [32, 8, 1]))
+
+
+def test_grouped_heads_rejects_a_count_that_does_not_divide():
+    with pytest.raises(ValueError, match="Hkv must divide Hq, so that query heads form equal groups; got Hq=8, Hkv=3"):
+        dg.grouped_heads_diagram(8, [8, 3])
+
+
+def test_grouped_heads_rejects_too_many_panels():
+    with pytest.raises(ValueError, match="Hkv must hold one to four head counts .*; got 5"):
+        dg.grouped_heads_diagram(8, [8, 4, 2, 1, 1])
+
+
+def test_grouped_heads_rejects_a_count_that_is_not_an_integer():
+    with pytest.raises(TypeError, match="Hkv must be a positive integer; got 2.0"):
+        dg.grouped_heads_diagram(8, 2.0)
+
+
+def test_grouped_heads_rejects_too_many_query_heads():
+    with pytest.raises(ValueError, match="Hq must be at most 64 to be drawn legibly; got Hq=96"):
+        dg.grouped_heads_diagram(96, 8)

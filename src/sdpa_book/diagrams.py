@@ -77,7 +77,7 @@ __all__ = [
     "draw_matrix",
     "figure_texts",
     "flash_loop_diagram",
-    "grid_sizes",
+    "tagged_rects",
     "grouped_heads_diagram",
     "kv_cache_diagram",
     "mask_geometry_diagram",
@@ -361,6 +361,7 @@ def draw_box(
     fontsize: float = NAME_PT,
     linestyle: str = "-",
     rounded: bool = True,
+    tag: str | None = None,
 ) -> Rect:
     """A box with its bottom left at ``(x, y)`` and optional centred text.
 
@@ -380,6 +381,8 @@ def draw_box(
         At least :data:`~sdpa_book.figures.MIN_FONT_PT`.
     linestyle : str, default "-"
     rounded : bool, default True
+    tag : str, optional
+        Name for :func:`tagged_rects` (not shown).
 
     Returns
     -------
@@ -410,6 +413,7 @@ def draw_box(
         FancyBboxPatch(
             (x, y), width, height, boxstyle=style, facecolor=_mix(color, fill),
             edgecolor=_shade(color), linewidth=1.1, linestyle=linestyle,
+            label=f"_tag {tag}" if tag else None,
         )
     )
     rect = Rect(x, y, x + width, y + height)
@@ -508,11 +512,11 @@ def _stack_size(lines: Sequence[tuple[str, float]]) -> tuple[float, float]:
 
 
 def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], gap: float = 0.05,
-                 floor: float | None = None):
+                 floor: float | None = None, align: str = "center"):
     """Write ``lines`` (text, fontsize) as a stack beside ``rect``; return the Text artists.
 
-    Beside (``left``/``right``), the stack is centred on ``rect`` but its bottom stays at or
-    above ``floor`` when given.
+    Beside (``left``/``right``), the stack is centred on ``rect`` (``align="top"``: starts at
+    its top), and its bottom stays at or above ``floor`` when given.
     """
     texts = []
     total = sum(_line_height(fs) for _, fs in lines)
@@ -526,6 +530,8 @@ def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], 
         x, y, ha = rect.x1 + gap + 0.02, rect.cy + total / 2, "left"
     else:
         raise ValueError(f"a label side must be 'above', 'below', 'left' or 'right'; got {side!r}")
+    if align == "top" and side in ("left", "right"):
+        y = rect.y1 + 0.03
     if floor is not None and side in ("left", "right"):
         y = max(y, floor + total)
     for text, fs in lines:
@@ -569,6 +575,7 @@ def draw_matrix(
     min_size: float = 0.1,
     linestyle: str = "-",
     label_floor: float | None = None,
+    label_align: str = "center",
     tag: str | None = None,
 ) -> Rect:
     """A matrix drawn as a grid of cells, its bottom left at ``(x, y)``, labelled with its shape.
@@ -610,9 +617,12 @@ def draw_matrix(
     label_floor : float, optional
         Labels beside the grid (``"left"``/``"right"``) are centred on it but kept above this
         height, clear of what lies below them.
+    label_align : {"center", "top"}, default "center"
+        Labels beside the grid are centred on it, or start at its top (clear of arrows that
+        arrive from above).
     tag : str, optional
-        Stored as the label ``"_matrix <tag>"`` of the grid's outline (a patch), so that tests
-        can find the grid (:func:`grid_sizes`); not shown.
+        Stored as the label ``"_tag <tag>"`` of the grid's outline (a patch), so that tests
+        can find the grid (:func:`tagged_rects`); not shown.
 
     Returns
     -------
@@ -689,7 +699,7 @@ def draw_matrix(
         ax.add_collection(LineCollection(blocks, colors=[edge], linewidths=1.6))
     ax.add_patch(Rectangle((x, y), width, height, facecolor="none", edgecolor=edge,
                            linewidth=1.1, linestyle=linestyle,
-                           label=f"_matrix {tag}" if tag else None))
+                           label=f"_tag {tag}" if tag else None))
 
     if values is not None:
         vals = np.asarray(values, dtype=float).reshape(rows, cols) if np.size(values) == rows * cols else None
@@ -703,7 +713,7 @@ def draw_matrix(
                             fontsize=LABEL_PT, color=INK)
 
     for side, lines in _label_lines(name, dims, shape, name_at, shape_at).items():
-        _label_stack(ax, rect, side, lines, floor=label_floor)
+        _label_stack(ax, rect, side, lines, floor=label_floor, align=label_align)
     return rect
 
 
@@ -715,23 +725,28 @@ def _block_rect(rect: Rect, shape: Sequence[int], rows: tuple[int, int], cols: t
                 rect.y1 - rows[0] * ch)
 
 
-def grid_sizes(fig) -> dict[str, tuple[float, float]]:
-    """``{tag: (width, height)}`` in inches of the grids drawn with a ``tag`` in ``fig``.
+def tagged_rects(fig) -> dict[str, Rect]:
+    """``{tag: Rect}`` of the grids and boxes drawn with a ``tag`` in ``fig`` (in inches).
+
+    Diagrams tag what they draw (``"Q"``, ``"scores"``, ``"head 1"``, ...), so that tests can
+    check proportions and positions without knowing the layout.
 
     Examples
     --------
-    >>> from sdpa_book.diagrams import attention_pipeline_diagram, grid_sizes
-    >>> sizes = grid_sizes(attention_pipeline_diagram(T=4, S=6, Dk=3, Dv=2))
-    >>> round(sizes["scores"][0] / sizes["Q"][0], 3)  # S / Dk: the grids keep the proportions
+    >>> from sdpa_book.diagrams import attention_pipeline_diagram, tagged_rects
+    >>> rects = tagged_rects(attention_pipeline_diagram(T=4, S=6, Dk=3, Dv=2))
+    >>> round(rects["scores"].width / rects["Q"].width, 3)  # S / Dk: grids keep the proportions
     2.0
     """
-    sizes = {}
+    rects = {}
     for ax in fig.axes:
         for patch in ax.patches:
             label = patch.get_label() or ""
-            if label.startswith("_matrix "):
-                sizes[label[len("_matrix "):]] = (float(patch.get_width()), float(patch.get_height()))
-    return sizes
+            if label.startswith("_tag "):
+                x, y = float(patch.get_x()), float(patch.get_y())
+                rects[label[len("_tag "):]] = Rect(x, y, x + float(patch.get_width()),
+                                                   y + float(patch.get_height()))
+    return rects
 
 
 def _outline(ax, rect: Rect, color, *, linewidth: float = 2.2, linestyle: str = "-", fill=None):
@@ -1167,4 +1182,260 @@ def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool =
         into_weights = i == len(points) - 2 and compact
         label = "$Z$" if into_softmax or into_weights else None
         draw_arrow(ax, (points[i][0] + 0.03, yc), (points[i + 1][0] - 0.03, yc), label=label)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Multi-head attention; grouped query heads
+
+
+def _drawn_heads(H: int, limit: int = 4) -> list[int | None]:
+    """The heads a diagram draws, 0-based: all of them up to ``limit``, else the first two, a
+    gap (None) and the last."""
+    return list(range(H)) if H <= limit else [0, 1, None, H - 1]
+
+
+def _line(ax, start, end, color, *, linewidth: float = 0.9, linestyle: str = "-"):
+    ax.plot([start[0], end[0]], [start[1], end[1]], color=color, linewidth=linewidth,
+            linestyle=linestyle, solid_capstyle="round")
+
+
+def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
+    r"""Multi-head attention: project, split into heads, attend per head, concatenate, ``W_O``.
+
+    From top to bottom: the input :math:`X` ``(T, E)``; the projections :math:`W_Q, W_K, W_V`
+    to :math:`Q, K` ``(T, H Dk)`` and :math:`V` ``(T, H Dv)``, each drawn as ``H`` blocks of
+    columns (one per head); head :math:`h` attends with block :math:`h` of each; the heads'
+    outputs ``(T, Dv)`` are concatenated to ``(T, H Dv)`` and projected by :math:`W_O` back to
+    ``(T, E)``. With more than four heads, heads 1, 2 and ``H`` are drawn.
+
+    Parameters
+    ----------
+    T, E, H, Dk, Dv : int
+        Tokens, model width, heads, query/key width and value width per head.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If a size is not an integer.
+    ValueError
+        If a size is not positive.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import multihead_diagram, figure_texts
+    >>> texts = figure_texts(multihead_diagram(T=5, E=12, H=3, Dk=4, Dv=2))
+    >>> [t for t in texts if t.startswith("(")]  # X; Q, K, V; one head's out; concat; out
+    ['(5, 12)', '(5, 12)', '(5, 12)', '(5, 6)', '(5, 2)', '(5, 6)', '(5, 12)']
+    >>> [t for t in texts if t.startswith("$W")]  # the projections and their shapes
+    ['$W_Q$\n$(E, HD_k)$\n(12, 12)', '$W_K$\n$(E, HD_k)$\n(12, 12)', '$W_V$\n$(E, HD_v)$\n(12, 6)', '$W_O$\n$(HD_v, E)$\n(6, 12)']
+    """
+    T, E, H, Dk, Dv = (_positive_int(v, n) for v, n in
+                       ((T, "T"), (E, "E"), (H, "H"), (Dk, "Dk"), (Dv, "Dv")))
+    width = FULL_WIDTH
+    avail = width - 2 * MARGIN
+    slot = avail / 3
+    proj = [("Q", "$Q$", QUERY, ("T", "HD_k"), (T, H * Dk), Dk, ("E", "HD_k"), (E, H * Dk)),
+            ("K", "$K$", KEY, ("T", "HD_k"), (T, H * Dk), Dk, ("E", "HD_k"), (E, H * Dk)),
+            ("V", "$V$", VALUE, ("T", "HD_v"), (T, H * Dv), Dv, ("E", "HD_v"), (E, H * Dv))]
+    label_w = max(_stack_size(_label_lines(n, d, s, "s", "s")["s"])[0] for _, n, _, d, s, *_ in proj)
+    singles = [("X", "input $X$", ("T", "E"), (T, E)),
+               ("concat", "concatenate", ("T", "HD_v"), (T, H * Dv)),
+               ("out", "out", ("T", "E"), (T, E))]
+    single_label_w = max(_stack_size(_label_lines(n, d, s, "s", "s")["s"])[0] for _, n, d, s in singles)
+    unit = min(0.16, (slot - label_w - 0.25) / (H * max(Dk, Dv)),
+               (avail - 2 * single_label_w - 0.2) / max(E, H * Dv), 0.7 / T)
+    grid_h = _extent(T, unit, 0.1)
+    level_h = max(grid_h, 3 * _line_height(LABEL_PT) + 0.02)
+    box_text = [f"$W_{n}$\n{_mathtext_shape(d)}\n{_numeric_shape(s)}" for n, *_, d, s in proj]
+    box_w = max(text_size(t, LABEL_PT)[0] for t in box_text) + 0.2
+    box_h = text_size(box_text[0], LABEL_PT)[1] + 0.1
+    head_h = 0.32
+    gap = 0.22
+    fan = 0.45  # room for the lines from the head blocks to the heads
+    heights = [level_h, gap, box_h, gap, level_h, fan, head_h, gap, level_h, gap, box_h, gap,
+               level_h]
+    height = sum(heights) + 2 * MARGIN
+    fig, ax = new_canvas(width, height)
+
+    tops = list(np.cumsum([0.0] + heights[:-1]))  # distance from the top of the drawing
+    top_of = [height - MARGIN - t for t in tops]
+
+    def centred_grid(cx, level, shape, **kwargs):
+        w, h = _matrix_size(shape, unit)
+        # labels that start at the grid's top: the grid starts at the level's top
+        y = top_of[level] - (h if kwargs.get("label_align") == "top" else level_h / 2 + h / 2)
+        return draw_matrix(ax, cx - w / 2, y, shape, unit=unit, name_at="right", shape_at="right",
+                           **kwargs)
+
+    cx = MARGIN + avail / 2 - single_label_w / 2
+    x_rect = centred_grid(cx, 0, (T, E), color=NEUTRAL, fill=0.15, name="input $X$",
+                          dims=("T", "E"), tag="X", label_align="top")
+    # X feeds the three projections through a stem that clears X's labels.
+    stem_y = top_of[0] - level_h
+    _line(ax, (x_rect.cx, x_rect.y0), (x_rect.cx, stem_y), INK, linewidth=1.2)
+    blocks = {}
+    for i, (key, name, color, dims, shape, block, _, _) in enumerate(proj):
+        slot_cx = MARGIN + slot * (i + 0.5) - label_w / 2
+        box = draw_box(ax, slot_cx - box_w / 2, top_of[2] - box_h, box_w, box_h, box_text[i],
+                       color=color, fill=0.12, fontsize=LABEL_PT)
+        draw_arrow(ax, (x_rect.cx, stem_y), (box.cx, box.y1 + 0.02))
+        grid = centred_grid(slot_cx, 4, shape, color=color, name=name, dims=dims, col_blocks=block,
+                            tag=key, label_align="top")
+        draw_arrow(ax, (box.cx, box.y0 - 0.02), (grid.cx, grid.y1 + 0.03))
+        blocks[key] = (grid, shape, block)
+
+    heads = _drawn_heads(H)
+    head_w = min(1.05, (avail - 0.3 * len(heads)) / len(heads))
+    spread = avail - label_w
+    head_boxes = {}
+    head_y = top_of[6] - head_h
+    for n, h in enumerate(heads):
+        hx = MARGIN + spread * (n + 0.5) / len(heads) - head_w / 2
+        if h is None:
+            ax.text(hx + head_w / 2, head_y + head_h / 2, "\N{HORIZONTAL ELLIPSIS}", ha="center",
+                    va="center", fontsize=NAME_PT, color=INK)
+            continue
+        head_boxes[h] = draw_box(ax, hx, head_y, head_w, head_h, f"head {h + 1}", color=NEUTRAL,
+                                 fill=0.1)
+        for key, color in (("Q", QUERY), ("K", KEY), ("V", VALUE)):
+            grid, shape, block = blocks[key]
+            part = _block_rect(grid, shape, (0, shape[0]), (h * block, (h + 1) * block))
+            # down to the bottom of the level (clear of the labels), then to the head
+            fan_y = top_of[4] - level_h
+            _line(ax, (part.cx, part.y0), (part.cx, fan_y), _shade(color))
+            offset = {"Q": -0.15, "K": 0.0, "V": 0.15}[key]
+            _line(ax, (part.cx, fan_y), (head_boxes[h].cx + offset, head_boxes[h].y1 + 0.01),
+                  _shade(color))
+    last = head_boxes[max(head_boxes)]
+    _label_stack(ax, Rect(last.x0, last.y0, last.x1, last.y1), "right",
+                 [("each head", LABEL_PT), ("$(T, D_v)$", LABEL_PT), (_numeric_shape((T, Dv)), LABEL_PT)])
+
+    concat = centred_grid(cx, 8, (T, H * Dv), color=OUTPUT, fill=0.3, name="concatenate",
+                          dims=("T", "HD_v"), col_blocks=Dv, tag="concat", label_align="top")
+    for h, box in head_boxes.items():
+        part = _block_rect(concat, (T, H * Dv), (0, T), (h * Dv, (h + 1) * Dv))
+        draw_arrow(ax, (box.cx, box.y0 - 0.02), (part.cx, part.y1 + 0.03))
+    wo_text = f"$W_O$\n{_mathtext_shape(('HD_v', 'E'))}\n{_numeric_shape((H * Dv, E))}"
+    wo = draw_box(ax, cx - box_w / 2, top_of[10] - box_h, box_w, box_h, wo_text, color=OUTPUT,
+                  fill=0.12, fontsize=LABEL_PT)
+    draw_arrow(ax, (concat.cx, concat.y0 - 0.03), (wo.cx, wo.y1 + 0.02))
+    out = centred_grid(cx, 12, (T, E), color=OUTPUT, fill=0.45, name="out", dims=("T", "E"),
+                       tag="out", label_align="top")
+    draw_arrow(ax, (wo.cx, wo.y0 - 0.02), (out.cx, out.y1 + 0.03))
+    return fig
+
+
+def _kind_of_heads(Hq: int, Hkv: int) -> str:
+    if Hkv == Hq:
+        return "multi-head (MHA)"
+    if Hkv == 1:
+        return "multi-query (MQA)"
+    return "grouped-query (GQA)"
+
+
+def grouped_heads_diagram(Hq: int, Hkv):
+    r"""Query heads in groups of ``G = Hq / Hkv`` sharing one key/value head: MHA, GQA, MQA.
+
+    Each panel draws the ``Hq`` query heads above the ``Hkv`` key/value heads (a key above a
+    value) and joins each query head to the key/value head its group shares. ``Hkv = Hq`` is
+    multi-head attention (groups of one), ``Hkv = 1`` multi-query attention, anything between
+    grouped-query attention. Pass several ``Hkv`` to draw them side by side.
+
+    Parameters
+    ----------
+    Hq : int
+        Query heads (at most 64).
+    Hkv : int or sequence of int
+        Key/value heads, each dividing ``Hq``; a sequence of up to four draws one panel each,
+        e.g. ``[8, 2, 1]`` for MHA, GQA and MQA.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If ``Hq`` or an ``Hkv`` is not an integer.
+    ValueError
+        If a size is not positive, ``Hq`` exceeds 64, an ``Hkv`` does not divide ``Hq``, or
+        more than four panels (or none) are asked for.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import grouped_heads_diagram, figure_texts
+    >>> texts = figure_texts(grouped_heads_diagram(8, [8, 2, 1]))
+    >>> [t for t in texts if "$H_q" in t]
+    ['$H_q = 8$, $H_{kv} = 8$, $G = 1$', '$H_q = 8$, $H_{kv} = 2$, $G = 4$', '$H_q = 8$, $H_{kv} = 1$, $G = 8$']
+    """
+    Hq = _at_most(_positive_int(Hq, "Hq"), 64, "Hq")
+    many = isinstance(Hkv, (list, tuple, np.ndarray))
+    kv_list = [_positive_int(h, "Hkv") for h in (Hkv if many else [Hkv])]
+    if not 1 <= len(kv_list) <= 4:
+        raise ValueError(f"Hkv must hold one to four head counts (one panel each); got {len(kv_list)}")
+    for h in kv_list:
+        if Hq % h:
+            raise ValueError(f"Hkv must divide Hq, so that query heads form equal groups; got Hq={Hq}, Hkv={h}")
+
+    n = len(kv_list)
+    panel_w = FULL_WIDTH / n if n > 1 else min(FULL_WIDTH, max(3.6, 0.3 * Hq + 0.6))
+    title_h = 2 * _line_height(LABEL_PT) + 0.08
+    bracket_h = 0.3
+    q_h, kv_h, link_h = 0.26, 0.22, 0.55
+    legend_h = 0.32
+    notes = [f"cached: {h} key and {h} value head{'' if h == 1 else 's'}" for h in kv_list]
+    if max(text_size(t)[0] for t in notes) > panel_w - 0.2:  # narrow panels: two lines
+        notes = [t.replace(": ", ":\n") for t in notes]
+    note_h = text_size(notes[0])[1] + 0.1
+    height = MARGIN + title_h + bracket_h + q_h + link_h + 2 * kv_h + note_h + legend_h + MARGIN
+    fig, ax = new_canvas(panel_w * n, height)
+
+    for p, Hkv_p in enumerate(kv_list):
+        G = Hq // Hkv_p
+        x0 = p * panel_w + 0.12
+        span = panel_w - 0.24
+        pitch = span / Hq
+        qw = pitch * (0.78 if Hq > 1 else 0.5)
+        y_title = height - MARGIN
+        ax.text(x0 + span / 2, y_title, _kind_of_heads(Hq, Hkv_p), ha="center", va="top",
+                fontsize=NAME_PT, color=INK)
+        ax.text(x0 + span / 2, y_title - _line_height(NAME_PT) - 0.02,
+                f"$H_q = {Hq}$, $H_{{kv}} = {Hkv_p}$, $G = {G}$", ha="center", va="top",
+                fontsize=LABEL_PT, color=INK)
+        y_q = y_title - title_h - bracket_h - q_h
+        show_index = qw >= 0.17 and Hq <= 32
+        queries = []
+        for h in range(Hq):
+            qx = x0 + h * pitch + (pitch - qw) / 2
+            queries.append(draw_box(ax, qx, y_q, qw, q_h, str(h + 1) if show_index else None,
+                                    color=QUERY, fill=0.35, fontsize=LABEL_PT, rounded=qw > 0.1,
+                                    tag=f"{p}: query {h}"))
+        if G > 1:  # one bracket per group, the first one labelled
+            for g in range(Hkv_p):
+                first, last = queries[g * G], queries[(g + 1) * G - 1]
+                draw_bracket(ax, first.x0, last.x1, y_q + q_h + 0.04,
+                             f"$G = {G}$" if g == 0 else None, depth=0.05)
+        y_kv = y_q - link_h - 2 * kv_h
+        group_w = G * pitch
+        kvw = group_w - (pitch - qw) if G > 1 else qw
+        for g in range(Hkv_p):
+            kx = x0 + g * group_w + (group_w - kvw) / 2
+            key = draw_box(ax, kx, y_kv + kv_h, kvw, kv_h, None, color=KEY, fill=0.45,
+                           rounded=False, tag=f"{p}: key {g}")
+            draw_box(ax, kx, y_kv, kvw, kv_h, None, color=VALUE, fill=0.45, rounded=False,
+                     tag=f"{p}: value {g}")
+            for h in range(g * G, (g + 1) * G):
+                _line(ax, queries[h].bottom, (key.cx + (h - g * G - (G - 1) / 2) * min(0.02, kvw / (2 * G)), key.y1),
+                      _shade(QUERY), linewidth=0.9)
+        ax.text(x0 + span / 2, y_kv - 0.05, notes[p], ha="center", va="top", fontsize=LABEL_PT,
+                color=INK, linespacing=1.3)
+        if p:  # panels apart
+            _line(ax, (p * panel_w, MARGIN + legend_h), (p * panel_w, height - MARGIN), "#cccccc",
+                  linewidth=0.8, linestyle=":")
+    role_legend(ax, [("query head", QUERY), ("key head", KEY), ("value head", VALUE)])
     return fig
