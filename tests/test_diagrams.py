@@ -511,3 +511,167 @@ def test_grouped_heads_rejects_a_count_that_is_not_an_integer():
 def test_grouped_heads_rejects_too_many_query_heads():
     with pytest.raises(ValueError, match="Hq must be at most 64 to be drawn legibly; got Hq=96"):
         dg.grouped_heads_diagram(96, 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. masks as geometry
+
+
+def read_grey_cells(rect, grey, T: int, S: int) -> np.ndarray:
+    """The may-attend pattern of a (T, S) grid at ``rect``, read back from its grey cells."""
+    cell = rect.width / S
+    allowed = np.ones((T, S), dtype=bool)
+    for path in grey.get_paths():
+        x, y = path.vertices.min(axis=0)
+        j = int(round((x - rect.x0) / cell))
+        i = T - 1 - int(round((y - rect.y0) / cell))
+        allowed[i, j] = False
+    return allowed
+
+
+def drawn_masks(fig, T: int, S: int) -> list[np.ndarray]:
+    """The may-attend pattern of each mask panel, in order."""
+    rects = dg.tagged_rects(fig)
+    panels = sorted((tag for tag in rects if tag.startswith("mask ")), key=lambda t: int(t[5:]))
+    greys = [c for c in fig.axes[0].collections if isinstance(c, PatchCollection)]
+    assert len(greys) == len(panels)  # one collection of grey cells per grid, in order
+    return [read_grey_cells(rects[tag], grey, T, S) for tag, grey in zip(panels, greys)]
+
+
+def loop_mask(T, S, keep) -> np.ndarray:
+    return np.array([[keep(i, j) for j in range(S)] for i in range(T)])
+
+
+def test_masks_square_match_hand_computed_causal_padding_and_window():
+    T = S = 6
+    fig = dg.mask_geometry_diagram(T, S, window=3, lengths=[4, 6])
+    causal, pad4, pad6, window = drawn_masks(fig, T, S)
+    np.testing.assert_array_equal(causal, loop_mask(T, S, lambda i, j: j <= i))
+    np.testing.assert_array_equal(pad4, loop_mask(T, S, lambda i, j: j < 4))
+    np.testing.assert_array_equal(pad6, np.ones((T, S), dtype=bool))
+    np.testing.assert_array_equal(window, loop_mask(T, S, lambda i, j: i - 3 < j <= i))
+    texts = dg.figure_texts(fig)
+    assert [t for t in texts if t.startswith("padding")] == ["padding, length 4", "padding, length 6"]
+    assert "sliding window, $w = 3$" in texts and "the 3 most recent keys" in texts
+    assert texts.count("(6, 6)") == 4 and texts[-2:] == ["may attend", "masked"]
+    assert "$S - T" not in " ".join(texts)  # no alignment to explain when T == S
+    assert_legible(fig)
+
+
+def test_masks_with_more_keys_align_top_left_and_bottom_right():
+    T, S = 3, 7
+    fig = dg.mask_geometry_diagram(T, S, window=2, lengths=[5])
+    top_left, bottom_right, pad, window = drawn_masks(fig, T, S)
+    np.testing.assert_array_equal(top_left, loop_mask(T, S, lambda i, j: j <= i))
+    # query i sits at key position i + S - T
+    np.testing.assert_array_equal(bottom_right, loop_mask(T, S, lambda i, j: j <= i + 4))
+    np.testing.assert_array_equal(pad, loop_mask(T, S, lambda i, j: j < 5))
+    np.testing.assert_array_equal(window, loop_mask(T, S, lambda i, j: i + 4 - 2 < j <= i + 4))
+    texts = dg.figure_texts(fig)
+    assert "causal, top-left" in texts and "causal, bottom-right" in texts
+    assert "$S - T = 4$" in texts and texts.count("(3, 7)") == 4
+    assert_legible(fig)
+
+
+def test_masks_with_more_queries_leave_the_first_rows_empty():
+    T, S = 5, 3
+    fig = dg.mask_geometry_diagram(T, S)
+    bottom_right = drawn_masks(fig, T, S)[1]
+    np.testing.assert_array_equal(bottom_right, loop_mask(T, S, lambda i, j: j <= i - 2))
+    assert "$S - T = -2$" in dg.figure_texts(fig)
+    assert_legible(fig)
+
+
+def test_masks_change_when_a_size_changes():
+    a, b = dg.mask_geometry_diagram(4, 4), dg.mask_geometry_diagram(4, 6)
+    assert "(4, 6)" in dg.figure_texts(b) and "(4, 6)" not in dg.figure_texts(a)
+    assert dg.tagged_rects(b)["mask 0"].width > dg.tagged_rects(a)["mask 0"].width
+    # the default padding keeps S - S // 3 keys
+    assert "padding, length 3" in dg.figure_texts(a) and "padding, length 4" in dg.figure_texts(b)
+
+
+def test_masks_reject_a_window_that_is_not_positive():
+    with pytest.raises(ValueError, match="window must be a positive integer; got 0"):
+        dg.mask_geometry_diagram(4, 4, window=0)
+
+
+def test_masks_reject_lengths_that_are_not_a_sequence():
+    with pytest.raises(TypeError, match="lengths must be a sequence of integers; got 4"):
+        dg.mask_geometry_diagram(4, 4, lengths=4)
+
+
+def test_masks_reject_a_length_that_is_not_an_integer():
+    with pytest.raises(TypeError, match="lengths must hold integers; got 2.5"):
+        dg.mask_geometry_diagram(4, 4, lengths=[2.5])
+
+
+def test_masks_reject_a_length_beyond_the_keys():
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, S=4\]; got 5"):
+        dg.mask_geometry_diagram(4, 4, lengths=[3, 5])
+
+
+def test_masks_reject_too_many_lengths():
+    with pytest.raises(ValueError, match="lengths must hold one to three sequence lengths .*; got 4"):
+        dg.mask_geometry_diagram(4, 4, lengths=[1, 2, 3, 4])
+
+
+def test_masks_reject_too_many_keys_to_draw():
+    with pytest.raises(ValueError, match="S must be at most 32 to be drawn legibly; got S=33"):
+        dg.mask_geometry_diagram(4, 33)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. KV cache
+
+
+def test_kv_cache_rows_grow_by_one_key_per_step():
+    P, N = 5, 3
+    fig = dg.kv_cache_diagram(P, N)
+    rects = dg.tagged_rects(fig)
+    cell = rects["prefill"].width / P
+    assert rects["prefill"].height == pytest.approx(P * cell)  # P queries x P keys
+    for k in range(1, N + 1):
+        assert rects[f"step {k}"].width == pytest.approx((P + k) * cell)  # 1 query x P + k keys
+        assert rects[f"step {k}"].height == pytest.approx(cell)
+        assert rects[f"step {k}"].x0 == pytest.approx(rects["prefill"].x0)  # key 0 aligned
+
+
+def test_kv_cache_prefill_is_causal_and_each_step_sees_every_cached_key():
+    P, N = 4, 2
+    fig = dg.kv_cache_diagram(P, N)
+    # only the prefill masks anything (decoding rows have no grey cells): key j > i is in the
+    # future of prompt query i
+    (grey,) = [c for c in fig.axes[0].collections if isinstance(c, PatchCollection)]
+    prefill = read_grey_cells(dg.tagged_rects(fig)["prefill"], grey, P, P)
+    np.testing.assert_array_equal(prefill, loop_mask(P, P, lambda i, j: j <= i))
+
+
+def test_kv_cache_labels_the_cache_and_the_steps():
+    fig = dg.kv_cache_diagram(5, 3)
+    texts = dg.figure_texts(fig)
+    assert [t for t in texts if t.startswith("step")] == ["step 1: query 5", "step 2: query 6",
+                                                         "step 3: query 7"]
+    assert [t for t in texts if t.startswith("cache")] == [
+        "cache: 5 keys, 5 values", "cache: 6 keys, 6 values", "cache: 7 keys, 7 values",
+        "cache: 8 keys, 8 values"]
+    assert "5 keys and values written at once" in texts and "prefill: 5 queries\nat once, causal" in texts
+    assert [t for t in texts if t.isdigit()] == [str(j) for j in range(8)]  # key positions
+    assert_legible(fig)
+
+
+def test_kv_cache_changes_with_the_prompt_and_stays_legible_at_the_extremes():
+    a, b = dg.kv_cache_diagram(3, 2), dg.kv_cache_diagram(4, 2)
+    assert "cache: 6 keys, 6 values" in dg.figure_texts(b) and "cache: 6 keys, 6 values" not in dg.figure_texts(a)
+    assert_legible(dg.kv_cache_diagram(1, 1))
+    assert_legible(dg.kv_cache_diagram(20, 12))
+    assert "cache: 1 key, 1 value" in dg.figure_texts(dg.kv_cache_diagram(1, 1))
+
+
+def test_kv_cache_rejects_a_count_that_is_not_positive():
+    with pytest.raises(ValueError, match="new_tokens must be a positive integer; got 0"):
+        dg.kv_cache_diagram(5, 0)
+
+
+def test_kv_cache_rejects_too_many_tokens_to_draw():
+    with pytest.raises(ValueError, match="prompt_len \\+ new_tokens must be at most 32 to be drawn legibly; got prompt_len \\+ new_tokens=33"):
+        dg.kv_cache_diagram(30, 3)

@@ -875,10 +875,11 @@ def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), nc
     handles = []
     for entry in entries:
         label, color, *extra = entry
-        props = {"edgecolor": _shade(color) if color not in ("white", "#ffffff") else NEUTRAL}
+        props = {"edgecolor": _shade(color) if color not in ("white", "#ffffff") else NEUTRAL,
+                 "linewidth": 1.0}
         if extra:
             props.update(extra[0])
-        handles.append(Patch(facecolor=color, label=label, linewidth=1.0, **props))
+        handles.append(Patch(facecolor=color, label=label, **props))
     return ax.legend(handles=handles, loc=loc, bbox_to_anchor=anchor, bbox_transform=ax.transAxes,
                      ncols=ncols or len(handles), frameon=False, fontsize=LABEL_PT,
                      handlelength=1.4, handleheight=1.0, columnspacing=1.2, borderaxespad=0.1,
@@ -1438,4 +1439,230 @@ def grouped_heads_diagram(Hq: int, Hkv):
             _line(ax, (p * panel_w, MARGIN + legend_h), (p * panel_w, height - MARGIN), "#cccccc",
                   linewidth=0.8, linestyle=":")
     role_legend(ax, [("query head", QUERY), ("key head", KEY), ("value head", VALUE)])
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Masks as geometry
+
+
+def mask_geometry_diagram(T: int, S: int, *, window: int = 3, lengths=None):
+    r"""Masks as geometry: causal, padding and sliding-window masks as grids of may-attend and
+    masked cells, and, when ``T != S``, the causal mask aligned top-left against bottom-right.
+
+    Row ``i`` is query ``i``, column ``j`` key ``j``; a cell is blue where the query may attend
+    the key and grey where it is masked (:data:`~sdpa_book.figures.ALLOWED_COLOR`,
+    :data:`~sdpa_book.figures.MASKED_COLOR`). The masks are the package's own
+    (:func:`sdpa.causal_mask`, :func:`sdpa.padding_mask`, :func:`sdpa.sliding_window_mask`).
+    When ``T != S`` the bottom-right panel labels the diagonal's offset ``S - T``: query ``i``
+    sits at key position ``i + S - T``, as when ``T`` new queries follow ``S - T`` cached keys;
+    the sliding window is then aligned bottom-right too.
+
+    Parameters
+    ----------
+    T, S : int
+        Queries and keys (each at most 32).
+    window : int, default 3
+        Width ``w`` of the causal sliding window: each query keeps its ``w`` most recent keys
+        (``window=(w - 1, 0)`` in :func:`sdpa.sliding_window_mask`).
+    lengths : sequence of int, optional
+        Real (unpadded) lengths of up to three sequences, each in ``[0, S]``: one padding panel
+        each. Default: one sequence of ``S - S // 3`` keys.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If a size, the window or a length is not an integer.
+    ValueError
+        If a size or the window is not positive, ``T`` or ``S`` exceeds 32, a length lies
+        outside ``[0, S]``, or there are more than three lengths (or none).
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import mask_geometry_diagram, figure_texts
+    >>> texts = figure_texts(mask_geometry_diagram(3, 5, window=2, lengths=[4]))
+    >>> [t for t in texts if t.startswith("causal")]
+    ['causal, top-left', 'causal, bottom-right']
+    >>> "$S - T = 2$" in texts  # the bottom-right diagonal's offset
+    True
+    """
+    import sdpa
+
+    T = _at_most(_positive_int(T, "T"), 32, "T")
+    S = _at_most(_positive_int(S, "S"), 32, "S")
+    w = _positive_int(window, "window")
+    if lengths is None:
+        lengths = [S - S // 3]
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (Sequence, np.ndarray)):
+        raise TypeError(f"lengths must be a sequence of integers; got {lengths!r}")
+    lengths = [int(_nonneg_length(n, S)) for n in lengths]
+    if not 1 <= len(lengths) <= 3:
+        raise ValueError(f"lengths must hold one to three sequence lengths (one panel each); got {len(lengths)}")
+
+    aligned = T != S
+    panels = []  # (title, subtitle, allowed (T, S), offset to label or None)
+    if aligned:
+        panels.append(("causal, top-left", "$j \\leq i$", sdpa.causal_mask(T, S), 0))
+        panels.append(("causal, bottom-right", "$j \\leq i + S - T$",
+                       sdpa.causal_mask(T, S, alignment="bottom_right"), S - T))
+    else:
+        panels.append(("causal", "$j \\leq i$", sdpa.causal_mask(T, S), None))
+    pad = sdpa.padding_mask(np.array(lengths), S)[:, 0, 0]  # (B, S)
+    for n, row in zip(lengths, pad):
+        panels.append((f"padding, length {n}", f"$j < {n}$", np.broadcast_to(row, (T, S)), None))
+    alignment = "bottom_right" if aligned else "top_left"
+    panels.append((f"sliding window, $w = {w}$", f"the {w} most recent key{'s' if w > 1 else ''}",
+                   sdpa.sliding_window_mask(T, S, (w - 1, 0), alignment=alignment), None))
+
+    per_row = min(len(panels), 4)
+    n_rows = -(-len(panels) // per_row)
+    panel_w = FULL_WIDTH / per_row
+    side = 0.28  # left of the first column: "queries i"
+    cell = min(0.22, (panel_w - 0.3 - side / per_row) / S, 1.7 / T)
+    grid_w, grid_h = S * cell, T * cell
+    title_h = _line_height(NAME_PT) + _line_height(LABEL_PT) + 0.06
+    offset_h = 0.3 if aligned and S > T else 0.0  # the bracket over the first S - T keys
+    below_h = 2 * _line_height(LABEL_PT) + 0.06
+    row_h = title_h + offset_h + grid_h + below_h + 0.12
+    legend_h = 0.3
+    height = MARGIN + n_rows * row_h + legend_h + MARGIN
+    fig, ax = new_canvas(FULL_WIDTH, height)
+
+    for k, (title, subtitle, allowed, offset) in enumerate(panels):
+        r, c = divmod(k, per_row)
+        x_mid = side + (FULL_WIDTH - side) * (c + 0.5) / per_row
+        y_top = height - MARGIN - r * row_h
+        ax.text(x_mid, y_top, title, ha="center", va="top", fontsize=NAME_PT, color=INK)
+        ax.text(x_mid, y_top - _line_height(NAME_PT), subtitle, ha="center", va="top",
+                fontsize=LABEL_PT, color=INK)
+        y0 = y_top - title_h - offset_h - grid_h
+        grid = draw_matrix(ax, x_mid - grid_w / 2, y0, (T, S), unit=cell, color=ALLOWED_COLOR,
+                           fill=1.0, masked=~np.asarray(allowed), name="keys $j$",
+                           name_at="below", shape_at=None, tag=f"mask {k}")
+        ax.text(grid.cx, grid.y0 - 0.05 - _line_height(NAME_PT), _numeric_shape((T, S)),
+                ha="center", va="top", fontsize=LABEL_PT, color=INK)
+        if c == 0:
+            ax.text(grid.x0 - 0.08, grid.cy, "queries $i$", ha="right", va="center",
+                    rotation=90, fontsize=NAME_PT, color=INK, rotation_mode="anchor")
+        if offset:
+            if offset > 0:  # query 0 sees keys 0 .. S - T
+                draw_bracket(ax, grid.x0, grid.x0 + offset * cell, grid.y1 + 0.04,
+                             f"$S - T = {offset}$", depth=0.05)
+            else:  # the first T - S queries see no key
+                draw_bracket(ax, grid.y1 + offset * cell, grid.y1, grid.x1 + 0.04,
+                             f"$S - T = {offset}$", side="right", depth=0.05)
+    role_legend(ax, [("may attend", ALLOWED_COLOR), ("masked", MASKED_COLOR)])
+    return fig
+
+
+def _nonneg_length(n, S: int) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, Integral):
+        raise TypeError(f"lengths must hold integers; got {n!r}")
+    if not 0 <= n <= S:
+        raise ValueError(f"lengths must lie in [0, S={S}]; got {n}")
+    return int(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Decoding with a key-value cache
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def kv_cache_diagram(prompt_len: int, new_tokens: int):
+    r"""Decoding with a KV cache: the prefill, then one token at a time against a growing cache.
+
+    Each row is a query, each column a key position ``j``. The prefill runs the
+    ``prompt_len`` prompt queries at once under a causal mask and writes all their keys and
+    values into the cache; each later step runs one new query, writes one key and value
+    (outlined) and attends every key cached so far. The rows grow by one key per step: the
+    cache growing.
+
+    Parameters
+    ----------
+    prompt_len : int
+        Tokens of the prompt, processed together (``T = prompt_len`` queries).
+    new_tokens : int
+        Tokens decoded one at a time after it (``T = 1`` each). ``prompt_len + new_tokens``
+        is at most 32.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If a count is not an integer.
+    ValueError
+        If a count is not positive, or the total exceeds 32.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import kv_cache_diagram, figure_texts
+    >>> texts = figure_texts(kv_cache_diagram(prompt_len=4, new_tokens=2))
+    >>> [t for t in texts if t.startswith("cache")]
+    ['cache: 4 keys, 4 values', 'cache: 5 keys, 5 values', 'cache: 6 keys, 6 values']
+    """
+    P = _positive_int(prompt_len, "prompt_len")
+    N = _positive_int(new_tokens, "new_tokens")
+    n = _at_most(P + N, 32, "prompt_len + new_tokens")
+
+    left = [f"prefill: {P} queries" if P > 1 else "prefill: 1 query",
+            "at once, causal"]
+    steps = [f"step {k + 1}: query {P + k}" for k in range(N)]
+    right = [f"cache: {_count(P + k, 'key')}, {_count(P + k, 'value')}" for k in range(N + 1)]
+    left_w = max(text_size(t)[0] for t in left + steps) + 0.2
+    right_w = max(text_size(t)[0] for t in right) + 0.2
+    cell = min(0.26, (FULL_WIDTH - 2 * MARGIN - left_w - right_w) / n)
+    pitch = max(cell, _line_height(LABEL_PT) + 0.02)  # a decode row holds one line of text
+    bracket_h = 0.34
+    axis_h = 2 * _line_height(LABEL_PT) + 0.08
+    legend_h = 0.32
+    height = (MARGIN + bracket_h + P * cell + 0.22 + N * pitch + axis_h + legend_h + MARGIN)
+    width = MARGIN + left_w + n * cell + right_w + MARGIN
+    legend_w = 4.4  # the three entries of the legend
+    fig, ax = new_canvas(min(FULL_WIDTH, max(width, legend_w)), height)
+    x0 = MARGIN + left_w + max(0.0, (legend_w - width) / 2)
+
+    # Prefill: P queries against the P keys they write; key j > i is still in the future.
+    y_pre = height - MARGIN - bracket_h - P * cell
+    future = np.triu(np.ones((P, P), dtype=bool), k=1)
+    pre = draw_matrix(ax, x0, y_pre, (P, P), unit=cell, color=ALLOWED_COLOR, fill=1.0,
+                      masked=future, name_at=None, shape_at=None, min_size=cell, tag="prefill")
+    draw_bracket(ax, pre.x0, pre.x1, pre.y1 + 0.04,
+                 f"{_count(P, 'key')} and {'values' if P > 1 else 'value'} written at once",
+                 depth=0.05)
+    ax.text(pre.x0 - 0.1, pre.cy, "\n".join(left), ha="right", va="center", fontsize=LABEL_PT,
+            color=INK, linespacing=1.3)
+    ax.text(pre.x1 + 0.1, pre.cy, right[0], ha="left", va="center", fontsize=LABEL_PT, color=INK)
+
+    # Decoding: one query per step, which sees every cached key, its own new one included.
+    y = y_pre - 0.22
+    for k in range(N):
+        y -= pitch
+        S = P + k + 1
+        row = draw_matrix(ax, x0, y + (pitch - cell) / 2, (1, S), unit=cell, color=ALLOWED_COLOR,
+                          fill=1.0, name_at=None, shape_at=None, min_size=cell, tag=f"step {k + 1}")
+        new = _block_rect(row, (1, S), (0, 1), (S - 1, S))
+        _outline(ax, new, INK, linewidth=2.0)
+        ax.text(row.x0 - 0.1, row.cy, steps[k], ha="right", va="center", fontsize=LABEL_PT,
+                color=INK)
+        ax.text(row.x1 + 0.1, row.cy, right[k + 1], ha="left", va="center", fontsize=LABEL_PT,
+                color=INK)
+    # Key positions under the columns (every one if they fit, else every fifth).
+    every = 1 if cell >= 0.17 else 5
+    for j in range(0, n, every):
+        ax.text(x0 + (j + 0.5) * cell, y - 0.05, str(j), ha="center", va="top",
+                fontsize=LABEL_PT, color=INK)
+    ax.text(x0 + n * cell / 2, y - 0.05 - _line_height(LABEL_PT), "key position $j$",
+            ha="center", va="top", fontsize=LABEL_PT, color=INK)
+    role_legend(ax, [("may attend", ALLOWED_COLOR), ("masked (future key)", MASKED_COLOR),
+                     ("written this step", "white", {"edgecolor": INK, "linewidth": 2.0})])
     return fig
