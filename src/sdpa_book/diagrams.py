@@ -267,7 +267,7 @@ def _measuring_renderer():
 
 
 def _line_height(fontsize: float) -> float:
-    return 1.3 * fontsize / 72
+    return 1.4 * fontsize / 72
 
 
 def _mix(color, amount: float, other: str = "white") -> tuple[float, float, float]:
@@ -506,9 +506,15 @@ def _label_lines(name, dims, shape, name_at, shape_at) -> dict[str, list[tuple[s
     return sides
 
 
+def _stack_line_height(text: str, fontsize: float) -> float:
+    """A line of a label stack; a little more for maths with both a sub- and a superscript."""
+    tall = "$" in text and "_" in text and "^" in text
+    return _line_height(fontsize) * (1.15 if tall else 1.0)
+
+
 def _stack_size(lines: Sequence[tuple[str, float]]) -> tuple[float, float]:
     width = max((text_size(t, fs)[0] for t, fs in lines), default=0.0)
-    return width, sum(_line_height(fs) for _, fs in lines)
+    return width, sum(_stack_line_height(t, fs) for t, fs in lines)
 
 
 def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], gap: float = 0.05,
@@ -519,7 +525,7 @@ def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], 
     its top), and its bottom stays at or above ``floor`` when given.
     """
     texts = []
-    total = sum(_line_height(fs) for _, fs in lines)
+    total = sum(_stack_line_height(t, fs) for t, fs in lines)
     if side == "above":
         x, y, ha = rect.cx, rect.y1 + gap + total, "center"
     elif side == "below":
@@ -535,16 +541,23 @@ def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], 
     if floor is not None and side in ("left", "right"):
         y = max(y, floor + total)
     for text, fs in lines:
-        h = _line_height(fs)
+        h = _stack_line_height(text, fs)
         texts.append(ax.text(x, y - h / 2, text, ha=ha, va="center_baseline", fontsize=fs,
                              color=INK))
         y -= h
     return texts
 
 
-def _matrix_size(shape, unit: float, min_size: float = 0.1) -> tuple[float, float]:
+def _grid_shape(shape, column: bool = False) -> tuple[int, int]:
+    """(rows, cols) of the grid drawn for ``shape``: a 1-D shape is a row, or a column."""
+    if len(shape) == 2:
+        return tuple(shape)
+    return (shape[0], 1) if column else (1, shape[0])
+
+
+def _matrix_size(shape, unit: float, min_size: float = 0.1, column: bool = False) -> tuple[float, float]:
     """Width and height, in inches, of the grid :func:`draw_matrix` draws for ``shape``."""
-    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+    rows, cols = _grid_shape(shape, column)
     return _extent(cols, unit, min_size), _extent(rows, unit, min_size)
 
 
@@ -576,6 +589,7 @@ def draw_matrix(
     linestyle: str = "-",
     label_floor: float | None = None,
     label_align: str = "center",
+    column: bool = False,
     tag: str | None = None,
 ) -> Rect:
     """A matrix drawn as a grid of cells, its bottom left at ``(x, y)``, labelled with its shape.
@@ -620,6 +634,9 @@ def draw_matrix(
     label_align : {"center", "top"}, default "center"
         Labels beside the grid are centred on it, or start at its top (clear of arrows that
         arrive from above).
+    column : bool, default False
+        Draw a 1-D ``shape`` as a column (one number per row of a matrix beside it, like
+        ``lse``) rather than as a row.
     tag : str, optional
         Stored as the label ``"_tag <tag>"`` of the grid's outline (a patch), so that tests
         can find the grid (:func:`tagged_rects`); not shown.
@@ -655,8 +672,8 @@ def draw_matrix(
     shape = tuple(_positive_int(n, "shape") for n in shape)
     if dims is not None and len(dims) != len(shape):
         raise ValueError(f"dims must name each of the {len(shape)} sizes of shape={shape}; got {dims!r}")
-    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
-    width, height = _matrix_size(shape, unit, min_size)
+    rows, cols = _grid_shape(shape, column)
+    width, height = _matrix_size(shape, unit, min_size, column)
     rect = Rect(x, y, x + width, y + height)
     cell_w, cell_h = width / cols, height / rows
 
@@ -664,9 +681,10 @@ def draw_matrix(
     edge = _shade(color)
     ax.add_patch(Rectangle((x, y), width, height, facecolor=face, edgecolor="none"))
     if masked is not None:
-        hidden = np.asarray(masked, dtype=bool).reshape(-1, cols) if len(shape) == 1 else np.asarray(masked, dtype=bool)
-        if hidden.shape != (rows, cols):
+        hidden = np.asarray(masked, dtype=bool)
+        if hidden.shape != shape:
             raise ValueError(f"masked must have the matrix's shape {shape}; got {np.shape(masked)}")
+        hidden = hidden.reshape(rows, cols)
         if hidden.size <= 64 * 64:
             cells = [Rectangle((x + j * cell_w, y + height - (i + 1) * cell_h), cell_w, cell_h)
                      for i, j in zip(*np.nonzero(hidden))]
@@ -702,9 +720,9 @@ def draw_matrix(
                            label=f"_tag {tag}" if tag else None))
 
     if values is not None:
-        vals = np.asarray(values, dtype=float).reshape(rows, cols) if np.size(values) == rows * cols else None
-        if vals is None or np.shape(values) != shape:
+        if np.shape(values) != shape:
             raise ValueError(f"values must have the matrix's shape {shape}; got {np.shape(values)}")
+        vals = np.asarray(values, dtype=float).reshape(rows, cols)
         if cell_w >= 0.36 and cell_h >= 0.17:
             for i in range(rows):
                 for j in range(cols):
@@ -1665,4 +1683,234 @@ def kv_cache_diagram(prompt_len: int, new_tokens: int):
             ha="center", va="top", fontsize=LABEL_PT, color=INK)
     role_legend(ax, [("may attend", ALLOWED_COLOR), ("masked (future key)", MASKED_COLOR),
                      ("written this step", "white", {"edgecolor": INK, "linewidth": 2.0})])
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The FlashAttention loop
+
+
+def _highlight(ax, rect: Rect, color):
+    """Mark the block being worked on: a stronger tint and a heavy outline."""
+    from matplotlib.colors import to_rgba
+
+    _outline(ax, rect, INK, linewidth=2.0, fill=to_rgba(color, 0.55))
+
+
+def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
+    r"""The tiled (FlashAttention) loop: what sits in fast memory, what stays in slow memory.
+
+    Top, slow memory: :math:`Q` ``(T, Dk)`` cut into blocks of ``Bq`` rows, :math:`K^\top`
+    ``(Dk, S)`` and :math:`V` ``(S, Dv)`` into blocks of ``Bk`` keys, the output :math:`O`
+    ``(T, Dv)`` and :math:`\operatorname{lse}` ``(T,)``; the scores ``(T, S)`` are never stored,
+    only visited tile by tile, in the numbered order (for each query block, every key block).
+    Bottom, fast memory: one query block :math:`Q_i`, one key/value block :math:`K_j, V_j`,
+    the score tile ``(Bq, Bk)``, and the running :math:`m`, :math:`\ell` and accumulator of
+    the query block. Heavy outlines mark the blocks of the tile being computed.
+
+    Parameters
+    ----------
+    T, S : int
+        Queries and keys.
+    Bq, Bk : int
+        Tile sizes: query rows and key columns per tile (at most ``T`` and ``S``; at most 12
+        blocks along each side).
+    Dk, Dv : int
+        Query/key and value widths.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If a size is not an integer.
+    ValueError
+        If a size is not positive, a tile is larger than its side (``Bq > T``, ``Bk > S``), or
+        there are more than 12 blocks along a side.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import flash_loop_diagram, figure_texts
+    >>> texts = figure_texts(flash_loop_diagram(T=6, S=8, Bq=2, Bk=4, Dk=3, Dv=2))
+    >>> [t for t in texts if t.startswith("(")]  # slow: Q, tiles, O, lse, K^T, V; fast: Q_i, ...
+    ['(6, 3)', '(6, 8)', '(6, 2)', '(6,)', '(3, 8)', '(8, 2)', '(2, 3)', '(2, 4)', '(2, 2)', '(2,)', '(2,)', '(3, 4)', '(4, 2)']
+    >>> [t for t in texts if t.isdigit()]  # the tiles' order: 3 query blocks x 2 key blocks
+    ['1', '2', '3', '4', '5', '6']
+    """
+    T, S, Bq, Bk, Dk, Dv = (_positive_int(v, n) for v, n in
+                            ((T, "T"), (S, "S"), (Bq, "Bq"), (Bk, "Bk"), (Dk, "Dk"), (Dv, "Dv")))
+    if Bq > T:
+        raise ValueError(f"Bq must be at most T: a query block holds at most T rows; got Bq={Bq}, T={T}")
+    if Bk > S:
+        raise ValueError(f"Bk must be at most S: a key block holds at most S keys; got Bk={Bk}, S={S}")
+    n_q, n_k = -(-T // Bq), -(-S // Bk)
+    _at_most(n_q, 12, "the number of query blocks T / Bq")
+    _at_most(n_k, 12, "the number of key blocks S / Bk")
+    i, j = min(1, n_q - 1), min(1, n_k - 1)  # the tile being computed
+
+    def lines(name, dims, shape):
+        return _label_lines(name, dims, shape, "s", "s")["s"]
+
+    slow = {  # key: (shape, dims, name, colour)
+        "Q": ((T, Dk), ("T", "D_k"), "$Q$", QUERY),
+        "tiles": ((T, S), ("T", "S"), "scores: never stored", SCORES),
+        "O": ((T, Dv), ("T", "D_v"), "$O$", OUTPUT),
+        "lse": ((T,), ("T",), "lse", OUTPUT),
+        "K^T": ((Dk, S), ("D_k", "S"), "$K^\\top$", KEY),
+        "V": ((S, Dv), ("S", "D_v"), "$V$", VALUE),
+    }
+    fast = {
+        "Q_i": ((Bq, Dk), ("B_q", "D_k"), "$Q_i$", QUERY),
+        "tile": ((Bq, Bk), ("B_q", "B_k"), "score tile", SCORES),
+        "acc": ((Bq, Dv), ("B_q", "D_v"), "acc", OUTPUT),
+        "m": ((Bq,), ("B_q",), "$m$", NEUTRAL),
+        "l": ((Bq,), ("B_q",), "$\\ell$", NEUTRAL),
+        "K_j^T": ((Dk, Bk), ("D_k", "B_k"), "$K_j^\\top$", KEY),
+        "V_j": ((Bk, Dv), ("B_k", "D_v"), "$V_j$", VALUE),
+    }
+    lab = {k: _stack_size(lines(v[2], v[1], v[0])) for k, v in {**slow, **fast}.items()}
+    upright = {"lse", "m", "l"}  # one number per query row: columns
+    loop = [
+        (0, "for each query block $i$:"),
+        (1, "load $Q_i$; $m = -\\infty$, $\\ell = 0$, acc $= 0$"),
+        (1, "for each key block $j$:"),
+        (2, "load $K_j$, $V_j$"),
+        (2, "tile $= Q_i K_j^\\top / \\sqrt{D_k}$"),
+        (2, "update $m$, $\\ell$, acc"),
+        (1, "write $O_i =$ acc $/\\, \\ell$"),
+        (1, "write $\\mathrm{lse}_i = m + \\log \\ell$"),
+    ]
+    indent = 0.18
+    loop_w = max(text_size(t)[0] + d * indent for d, t in loop) + 0.1
+    loop_step = 1.45 * LABEL_PT / 72  # roots and superscripts need more than one line
+    loop_h = len(loop) * loop_step + _line_height(NAME_PT)
+    title_h = _line_height(NAME_PT) + 0.08
+    pad = 0.1
+
+    def columns(unit, items, order, x_start, side_labels):
+        """x of each grid in ``order`` (a row of grids, labels below), each gap clearing labels."""
+        w = {k: _matrix_size(items[k][0], unit, column=k in upright)[0] for k in items}
+        x = {}
+        left_label, left_grid = side_labels
+        first = order[0]
+        x[first] = x_start + max(0.0, (lab[first][0] - w[first]) / 2,
+                                 lab[left_label][0] + 0.12 - w[first] - 0.1)
+        for a, b in zip(order, order[1:]):
+            gap = max(0.07, (lab[a][0] + lab[b][0]) / 2 + 0.12 - (w[a] + w[b]) / 2)
+            x[b] = x[a] + w[a] + gap
+        return w, x
+
+    def layout(unit):
+        h = {k: _matrix_size(v[0], unit, column=k in upright)[1]
+             for k, v in {**slow, **fast}.items()}
+        ws, xs = columns(unit, slow, ["Q", "tiles", "O", "lse"], MARGIN + pad, ("K^T", "Q"))
+        slow_right = max(xs["lse"] + ws["lse"] / 2 + lab["lse"][0] / 2,
+                         xs["O"] + ws["O"] + 0.1 + lab["V"][0]) + pad
+        wf, xf = columns(unit, fast, ["Q_i", "tile", "acc", "m", "l"], MARGIN + pad,
+                         ("K_j^T", "Q_i"))
+        fast_right = max(xf["l"] + wf["l"] / 2 + lab["l"][0] / 2,
+                         xf["acc"] + wf["acc"] + 0.1 + lab["V_j"][0]) + pad
+        width = max(slow_right, fast_right + 0.3 + loop_w) + MARGIN + 0.05
+        below = max(lab[k][1] for k in ("Q", "tiles", "O", "lse")) + 0.06
+        slow_h = (title_h + max(h["K^T"], h["V"], lab["V"][1], lab["K^T"][1]) + 0.07
+                  + h["Q"] + below + pad)
+        below_f = max(lab[k][1] for k in ("Q_i", "tile", "acc", "m", "l")) + 0.06
+        fast_h = (title_h + max(h["K_j^T"], h["V_j"], lab["V_j"][1], lab["K_j^T"][1]) + 0.07
+                  + h["Q_i"] + below_f + pad)
+        fast_h = max(fast_h, loop_h + title_h + pad)
+        arrows_h = 0.55
+        height = MARGIN + slow_h + arrows_h + fast_h + MARGIN
+        return width, height, (ws, xs, slow_right, wf, xf, fast_right, h, slow_h, fast_h,
+                               arrows_h)
+
+    unit, width, height, plan = _fit_unit(layout, 0.2, FULL_WIDTH, 5.8)
+    ws, xs, slow_right, wf, xf, fast_right, h, slow_h, fast_h, arrows_h = plan
+    fig, ax = new_canvas(width, height)
+
+    def panel(y_top, panel_h, right, title, color):
+        rect = draw_box(ax, MARGIN, y_top - panel_h, right - MARGIN, panel_h, None, color=color,
+                        fill=0.08, tag=title)
+        ax.text(MARGIN + pad, y_top - 0.05, title, ha="left", va="top", fontsize=NAME_PT,
+                color=INK)
+        return rect
+
+    def row(items, x, y_base, top_row, blocks):
+        """The bottom row of grids at y_base (bottoms aligned... centred), and the top row."""
+        grids = {}
+        for k, (shape, dims, name, color) in items.items():
+            if k in top_row:
+                continue
+            grids[k] = draw_matrix(ax, x[k], y_base, shape, unit=unit, color=color, name=name,
+                                   dims=dims, name_at="below", shape_at="below", tag=k,
+                                   row_blocks=blocks.get(k, (None, None))[0],
+                                   col_blocks=blocks.get(k, (None, None))[1],
+                                   linestyle="--" if k == "tiles" else "-",
+                                   fill=0.2 if k in ("tiles",) else 0.35, column=k in upright)
+        return grids
+
+    # Slow memory.
+    slow_box = panel(height - MARGIN, slow_h, slow_right, "slow memory (HBM)", SLOW_MEMORY)
+    y_q = slow_box.y0 + pad + max(lab[k][1] for k in ("Q", "tiles", "O", "lse")) + 0.06
+    grids = row(slow, xs, y_q, ("K^T", "V"),
+                {"Q": (Bq, None), "tiles": (Bq, Bk), "O": (Bq, None), "lse": (Bq, None)})
+    floor = grids["Q"].y1 + 0.1
+    for k, over, side in (("K^T", "tiles", "left"), ("V", "O", "right")):
+        shape, dims, name, color = slow[k]
+        grids[k] = draw_matrix(ax, xs[over], grids[over].y1 + 0.07, shape, unit=unit, color=color,
+                               name=name, dims=dims, name_at=side, shape_at=side, tag=k,
+                               row_blocks=Bk if k == "V" else None,
+                               col_blocks=Bk if k == "K^T" else None, label_floor=floor)
+    # The tiles in loop order; the one being computed, and its blocks, highlighted.
+    tiles = grids["tiles"]
+    tile_w, tile_h = tiles.width * min(Bk, S) / S, tiles.height * min(Bq, T) / T
+    numbered = min(tile_w, tile_h) >= 0.16
+    for a in range(n_q):
+        for b in range(n_k):
+            part = _block_rect(tiles, (T, S), (a * Bq, min(T, (a + 1) * Bq)),
+                               (b * Bk, min(S, (b + 1) * Bk)))
+            if (a, b) == (i, j):
+                _highlight(ax, part, SCORES)
+            if numbered:
+                ax.text(part.cx, part.cy, str(a * n_k + b + 1), ha="center", va="center",
+                        fontsize=LABEL_PT, color=INK)
+    rows_i = (i * Bq, min(T, (i + 1) * Bq))
+    cols_j = (j * Bk, min(S, (j + 1) * Bk))
+    _highlight(ax, _block_rect(grids["Q"], (T, Dk), rows_i, (0, Dk)), QUERY)
+    _highlight(ax, _block_rect(grids["O"], (T, Dv), rows_i, (0, Dv)), OUTPUT)
+    _highlight(ax, _block_rect(grids["lse"], (T, 1), rows_i, (0, 1)), OUTPUT)
+    _highlight(ax, _block_rect(grids["K^T"], (Dk, S), (0, Dk), cols_j), KEY)
+    _highlight(ax, _block_rect(grids["V"], (S, Dv), cols_j, (0, Dv)), VALUE)
+
+    # Fast memory.
+    fast_top = slow_box.y0 - arrows_h
+    fast_box = panel(fast_top, fast_h, fast_right, "fast memory (SRAM)", FAST_MEMORY)
+    below_f = max(lab[k][1] for k in ("Q_i", "tile", "acc", "m", "l")) + 0.06
+    content_h = max(h["K_j^T"], h["V_j"]) + 0.07 + h["Q_i"] + below_f
+    y_f = fast_box.y0 + pad + below_f + max(0.0, (fast_h - title_h - pad - content_h) / 2)
+    fgrids = row(fast, xf, y_f, ("K_j^T", "V_j"), {})
+    floor_f = fgrids["Q_i"].y1 + 0.1
+    for k, over, side in (("K_j^T", "tile", "left"), ("V_j", "acc", "right")):
+        shape, dims, name, color = fast[k]
+        fgrids[k] = draw_matrix(ax, xf[over], fgrids[over].y1 + 0.07, shape, unit=unit,
+                                color=color, name=name, dims=dims, name_at=side, shape_at=side,
+                                tag=k, label_floor=floor_f)
+    # The loop, beside fast memory.
+    x_loop = fast_right + 0.3
+    y = fast_top - title_h - 0.1
+    ax.text(x_loop, fast_top - 0.05, "the loop", ha="left", va="top", fontsize=NAME_PT, color=INK)
+    for depth, text in loop:  # on fixed baselines, whatever the height of the maths
+        ax.text(x_loop + depth * indent, y, text, ha="left", va="baseline", fontsize=LABEL_PT,
+                color=INK)
+        y -= loop_step
+
+    # Traffic between the two memories.
+    y_a, y_b = slow_box.y0 - 0.04, fast_box.y1 + 0.04
+    xs_arrows = [fast_box.x0 + fast_box.width * f for f in (0.2, 0.5, 0.8)]
+    draw_arrow(ax, (xs_arrows[0], y_a), (xs_arrows[0], y_b), label="load $Q_i$", label_side="right")
+    draw_arrow(ax, (xs_arrows[1], y_a), (xs_arrows[1], y_b), label="load $K_j$, $V_j$",
+               label_side="right")
+    draw_arrow(ax, (xs_arrows[2], y_b), (xs_arrows[2], y_a), label="write $O_i$, lse$_i$",
+               label_side="right")
     return fig
