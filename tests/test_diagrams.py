@@ -24,6 +24,15 @@ def shapes(fig) -> list[str]:
     return [t for t in dg.figure_texts(fig) if t.startswith("(") and t[1:2].isdigit()]
 
 
+def arrow_ends(arrow) -> tuple[np.ndarray, np.ndarray]:
+    """Tail and tip of a straight arrow, from its path in data coordinates (the drawn tip stops
+    about a line width short of the end point, so that the head's point lands on it)."""
+    path = arrow.get_path()
+    vertices = path.vertices[path.codes != path.CLOSEPOLY]  # the closing vertex is (0, 0)
+    start = vertices[0]
+    return start, vertices[np.argmax(np.linalg.norm(vertices - start, axis=1))]
+
+
 def assert_legible(fig) -> None:
     """White, at most FULL_WIDTH wide, fonts >= MIN_FONT_PT, texts inside and apart."""
     width, height = fig.get_size_inches()
@@ -96,8 +105,8 @@ def test_helpers_reject_text_under_the_minimum_font_size():
 def test_draw_arrow_joins_its_points_and_labels_the_middle():
     fig, ax = dg.new_canvas(3.0, 1.0)
     arrow = dg.draw_arrow(ax, (0.2, 0.5), (2.8, 0.5), label="$Z$")
-    path = arrow.get_path().vertices
-    assert np.allclose(path[0], (0.2, 0.5)) or arrow._posA_posB == [(0.2, 0.5), (2.8, 0.5)]
+    start, tip = arrow_ends(arrow)
+    assert np.allclose(start, (0.2, 0.5)) and np.allclose(tip, (2.8, 0.5), atol=0.02)
     (text,) = ax.texts
     assert text.get_text() == "$Z$" and text.get_position()[0] == pytest.approx(1.5)
     assert text.get_position()[1] > 0.5  # above the arrow
@@ -755,3 +764,121 @@ def test_flash_loop_rejects_too_many_blocks_to_draw():
 def test_flash_loop_rejects_a_tile_size_that_is_not_an_integer():
     with pytest.raises(TypeError, match="Bk must be a positive integer; got None"):
         dg.flash_loop_diagram(6, 8, 2, None, 3, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. the backward graph
+
+
+def test_backward_graph_shows_each_stage_with_its_shape():
+    T, S, Dk, Dv = 3, 5, 7, 2
+    fig = dg.backward_graph_diagram(T=T, S=S, Dk=Dk, Dv=Dv)
+    texts = {t.splitlines()[0].split(" = ")[0].strip("$"): t.splitlines()[1:] for t in dg.figure_texts(fig)
+             if t.count("\n") == 2}
+    expected = {"Q": ("T, D_k", "(3, 7)"), "K": ("S, D_k", "(5, 7)"), "Z": ("T, S", "(3, 5)"),
+                "A": ("T, S", "(3, 5)"), "V": ("S, D_v", "(5, 2)"), "O": ("T, D_v", "(3, 2)"),
+                "dO": ("T, D_v", "(3, 2)"), "dV": ("S, D_v", "(5, 2)"), "dA": ("T, S", "(3, 5)"),
+                "\\delta_i": ("T,", "(3,)"), "dZ": ("T, S", "(3, 5)"), "dQ": ("T, D_k", "(3, 7)"),
+                "dK": ("S, D_k", "(5, 7)")}
+    assert {k: (v[0][2:-2], v[1]) for k, v in texts.items()} == expected
+    assert_legible(fig)
+
+
+def test_backward_graph_puts_each_gradient_under_what_it_is_the_gradient_of():
+    rects = dg.tagged_rects(dg.backward_graph_diagram())
+    for x in ("O", "A", "Z", "K"):
+        assert rects[f"d{x}"].y1 < rects[x].y0 and rects[f"d{x}"].cx == pytest.approx(rects[x].cx)
+    assert rects["dV"].cx == pytest.approx(rects["V"].cx) and rects["dQ"].cx == pytest.approx(rects["Q"].cx)
+    # the row term sits between the forward and the backward rows
+    assert rects["dA"].y1 < rects["delta"].y0 and rects["delta"].y1 < rects["A"].y0
+
+
+def test_backward_graph_links_follow_the_chain_rule():
+    from matplotlib.patches import FancyArrowPatch
+
+    fig = dg.backward_graph_diagram()
+    rects = dg.tagged_rects(fig)
+
+    def touching(point):
+        tol = 0.02  # inches: the drawn tip stops a line width short
+        return {k for k, r in rects.items()
+                if r.x0 - tol <= point[0] <= r.x1 + tol and r.y0 - tol <= point[1] <= r.y1 + tol}
+
+    links = set()
+    for arrow in fig.axes[0].patches:
+        if isinstance(arrow, FancyArrowPatch):
+            (a,), (b,) = (touching(end) for end in arrow_ends(arrow))
+            links.add((a, b))
+    assert links == {("Q", "Z"), ("K", "Z"), ("Z", "A"), ("A", "O"), ("V", "O"),
+                     ("dO", "dV"), ("dO", "dA"), ("dA", "dZ"), ("dO", "delta"), ("delta", "dZ"),
+                     ("dZ", "dQ"), ("dZ", "dK")}
+
+
+def test_backward_graph_changes_with_the_sizes():
+    a = dg.figure_texts(dg.backward_graph_diagram(T=3, S=5, Dk=7, Dv=2))
+    b = dg.figure_texts(dg.backward_graph_diagram(T=3, S=6, Dk=7, Dv=2))
+    assert any("(3, 6)" in t for t in b) and not any("(3, 6)" in t for t in a)
+    assert not any("(" in t.splitlines()[-1][:2] and t.splitlines()[-1][1:2].isdigit()
+                   for t in dg.figure_texts(dg.backward_graph_diagram()))  # symbols only
+
+
+def test_backward_graph_rejects_some_sizes_without_the_others():
+    with pytest.raises(ValueError, match="give all four sizes T, S, Dk, Dv or none; got T, S without Dk, Dv"):
+        dg.backward_graph_diagram(T=3, S=5)
+
+
+def test_backward_graph_rejects_a_size_that_is_not_an_integer():
+    with pytest.raises(TypeError, match="Dv must be a positive integer; got '2'"):
+        dg.backward_graph_diagram(T=3, S=5, Dk=7, Dv="2")
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. the transformer block
+
+
+def test_transformer_block_pre_norm_normalises_a_copy_before_each_sublayer():
+    fig = dg.transformer_block_diagram(norm="pre", T=5, E=16)
+    rects = dg.tagged_rects(fig)
+    stream_y = [t for t in fig.axes[0].lines if t.get_linewidth() == 3.0][0].get_ydata()[0]
+    for n, sub in ((1, "attention"), (2, "mlp")):
+        norm = rects[f"norm {n}"]
+        assert norm.x1 < rects[sub].x0 and norm.y0 > stream_y  # on the branch, before it
+    assert rects["attention"].x1 < rects["norm 2"].x0  # attention, then the MLP
+    texts = dg.figure_texts(fig)
+    assert texts.count("(5, 16)") == 2 and texts.count("$(T, E)$") == 2
+    assert "causal multi-head\nattention" in texts and "MLP" in texts
+    assert_legible(fig)
+
+
+def test_transformer_block_post_norm_normalises_the_stream_after_each_add():
+    fig = dg.transformer_block_diagram(norm="post")
+    rects = dg.tagged_rects(fig)
+    stream_y = [t for t in fig.axes[0].lines if t.get_linewidth() == 3.0][0].get_ydata()[0]
+    adds = {p.get_label()[5:]: p.center[0] for p in fig.axes[0].patches if p.get_label().startswith("_add ")}
+    for n, sub in ((1, "attention"), (2, "mlp")):
+        norm = rects[f"norm {n}"]
+        assert norm.y0 < stream_y < norm.y1  # on the stream itself
+        assert adds[sub] < norm.x0  # after the add
+    assert not [t for t in dg.figure_texts(fig) if t.startswith("(") and t[1:2].isdigit()]
+    assert_legible(fig)
+
+
+def test_transformer_block_attention_only_has_one_sublayer():
+    rects = dg.tagged_rects(dg.transformer_block_diagram(attention_only=True))
+    assert "attention" in rects and "mlp" not in rects and "norm 2" not in rects
+    assert_legible(dg.transformer_block_diagram(norm="post", T=1024, E=4096))
+
+
+def test_transformer_block_rejects_an_unknown_norm():
+    with pytest.raises(ValueError, match="norm must be 'pre' or 'post'; got 'sandwich'"):
+        dg.transformer_block_diagram(norm="sandwich")
+
+
+def test_transformer_block_rejects_one_size_without_the_other():
+    with pytest.raises(ValueError, match="give both sizes T and E or neither; got T=5, E=None"):
+        dg.transformer_block_diagram(T=5)
+
+
+def test_transformer_block_rejects_attention_only_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="attention_only must be a bool; got 1"):
+        dg.transformer_block_diagram(attention_only=1)

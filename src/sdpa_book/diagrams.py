@@ -859,7 +859,8 @@ def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), nc
     ax : matplotlib Axes
     entries : sequence of (str, colour) or (str, colour, dict)
         Label and face colour; the optional dict holds more patch properties (``edgecolor``,
-        ``linestyle``, ``hatch``, ...).
+        ``linestyle``, ``hatch``, ...), or ``{"line": True}`` for an arrow's colour drawn as
+        a line.
     loc : str, default "lower center"
         Which point of the legend sits at ``anchor``.
     anchor : (float, float), default (0.5, 0.0)
@@ -885,6 +886,7 @@ def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), nc
     >>> [t.get_text() for t in legend.get_texts()]
     ['query', 'key']
     """
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     entries = list(entries)
@@ -893,6 +895,9 @@ def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), nc
     handles = []
     for entry in entries:
         label, color, *extra = entry
+        if extra and extra[0].get("line"):
+            handles.append(Line2D([], [], color=color, linewidth=1.8, label=label))
+            continue
         props = {"edgecolor": _shade(color) if color not in ("white", "#ffffff") else NEUTRAL,
                  "linewidth": 1.0}
         if extra:
@@ -1913,4 +1918,261 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
                label_side="right")
     draw_arrow(ax, (xs_arrows[2], y_b), (xs_arrows[2], y_a), label="write $O_i$, lse$_i$",
                label_side="right")
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. The backward pass as a graph
+
+
+def backward_graph_diagram(*, T: int | None = None, S: int | None = None, Dk: int | None = None,
+                           Dv: int | None = None):
+    r"""The forward's stages as a graph, and the gradients flowing back through it.
+
+    Top, the forward: :math:`Q, K \to Z = QK^\top/\sqrt{D_k} \to A = \mathrm{softmax}(Z) \to
+    O = AV`, with :math:`V`. Bottom, in the gradient colour, the backward: from
+    :math:`dO`, :math:`dV = A^\top dO` and :math:`dA = dO\,V^\top`; the row term
+    :math:`\delta_i = do_i \cdot o_i`; :math:`dZ = A \odot (dA - \delta)`; then
+    :math:`dQ = dZ\,K/\sqrt{D_k}` and :math:`dK = dZ^\top Q/\sqrt{D_k}`. Each gradient sits
+    under (or beside) what it is the gradient of, and has its shape.
+
+    Parameters
+    ----------
+    T, S, Dk, Dv : int, optional
+        Sizes: when given (all four), each node also shows its numeric shape.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If a size is not an integer.
+    ValueError
+        If a size is not positive, or only some of the four are given.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import backward_graph_diagram, figure_texts
+    >>> texts = figure_texts(backward_graph_diagram(T=3, S=5, Dk=4, Dv=2))
+    >>> [t.splitlines()[0] for t in texts if t.startswith("$d")]  # the gradients
+    ['$dO = \\partial\\mathcal{L}/\\partial O$', '$dV = A^\\top dO$', '$dA = dO\\,V^\\top$', '$dZ = A \\odot (dA - \\delta)$', '$dQ = dZ\\,K/\\sqrt{D_k}$', '$dK = dZ^\\top Q/\\sqrt{D_k}$']
+    >>> [t for t in texts if t.startswith("$dQ")]
+    ['$dQ = dZ\\,K/\\sqrt{D_k}$\n$(T, D_k)$\n(3, 4)']
+    """
+    sizes = {"T": T, "S": S, "Dk": Dk, "Dv": Dv}
+    given = [n for n, v in sizes.items() if v is not None]
+    if given and len(given) < 4:
+        missing = [n for n in sizes if n not in given]
+        raise ValueError(f"give all four sizes T, S, Dk, Dv or none; got {', '.join(given)} "
+                         f"without {', '.join(missing)}")
+    if given:
+        sizes = {n: _positive_int(v, n) for n, v in sizes.items()}
+    value = {"T": sizes["T"], "S": sizes["S"], "D_k": sizes["Dk"], "D_v": sizes["Dv"]}
+
+    def text(formula: str, dims: tuple[str, ...]) -> str:
+        lines = [formula, _mathtext_shape(dims)]
+        if given:
+            lines.append(_numeric_shape([value[d] for d in dims]))
+        return "\n".join(lines)
+
+    # key: (column, band, formula, dims, colour); bands from the top: 0 inputs, 1 forward,
+    # 2 the row term, 3 backward, 4 gradients of the inputs
+    nodes = {
+        "Q": (0, 0, "$Q$", ("T", "D_k"), QUERY),
+        "K": (0, 1, "$K$", ("S", "D_k"), KEY),
+        "Z": (1, 1, "$Z = QK^\\top/\\sqrt{D_k}$", ("T", "S"), SCORES),
+        "A": (2, 1, "$A = \\mathrm{softmax}(Z)$", ("T", "S"), SCORES),
+        "V": (3, 0, "$V$", ("S", "D_v"), VALUE),
+        "O": (3, 1, "$O = AV$", ("T", "D_v"), OUTPUT),
+        "dO": (3, 3, "$dO = \\partial\\mathcal{L}/\\partial O$", ("T", "D_v"), GRADIENT),
+        "dV": (3, 4, "$dV = A^\\top dO$", ("S", "D_v"), GRADIENT),
+        "dA": (2, 3, "$dA = dO\\,V^\\top$", ("T", "S"), GRADIENT),
+        "delta": (2, 2, "$\\delta_i = do_i \\cdot o_i$", ("T",), GRADIENT),
+        "dZ": (1, 3, "$dZ = A \\odot (dA - \\delta)$", ("T", "S"), GRADIENT),
+        "dQ": (0, 4, "$dQ = dZ\\,K/\\sqrt{D_k}$", ("T", "D_k"), GRADIENT),
+        "dK": (0, 3, "$dK = dZ^\\top Q/\\sqrt{D_k}$", ("S", "D_k"), GRADIENT),
+    }
+    texts = {k: text(f, d) for k, (_, _, f, d, _) in nodes.items()}
+    box_size = {k: (text_size(t, LABEL_PT)[0] + 0.18,
+                    text_size(t, LABEL_PT)[1] + 0.1) for k, t in texts.items()}
+    col_w = [max(box_size[k][0] for k, n in nodes.items() if n[0] == c) for c in range(4)]
+    band_h = [max(box_size[k][1] for k, n in nodes.items() if n[1] == b) for b in range(5)]
+    free = FULL_WIDTH - 2 * MARGIN - sum(col_w)
+    gap_x = free / 3
+    gap_y = 0.22
+    legend_h = 0.3
+    height = MARGIN + sum(band_h) + 4 * gap_y + legend_h + MARGIN
+    fig, ax = new_canvas(FULL_WIDTH, height)
+    col_x = [MARGIN + sum(col_w[:c]) + c * gap_x + col_w[c] / 2 for c in range(4)]
+    band_y = [height - MARGIN - sum(band_h[:b]) - b * gap_y - band_h[b] / 2 for b in range(5)]
+    boxes = {}
+    for k, (c, b, _, _, color) in nodes.items():
+        w, h = box_size[k]
+        boxes[k] = draw_box(ax, col_x[c] - w / 2, band_y[b] - h / 2, w, h, texts[k], color=color,
+                            fill=0.15 if color == GRADIENT else 0.3, fontsize=LABEL_PT, tag=k)
+
+    def link(a, b, color, start="right", end="left"):
+        p0 = getattr(boxes[a], start)
+        p1 = getattr(boxes[b], end)
+        draw_arrow(ax, p0, p1, color=color, linewidth=1.4)
+
+    # forward
+    link("Q", "Z", INK, "right", "top")
+    link("K", "Z", INK)
+    link("Z", "A", INK)
+    link("A", "O", INK)
+    link("V", "O", INK, "bottom", "top")
+    # backward
+    g = _shade(GRADIENT)
+    link("dO", "dA", g, "left", "right")
+    link("dO", "dV", g, "bottom", "top")
+    link("dA", "dZ", g, "left", "right")
+    link("dO", "delta", g, "top", "right")
+    link("delta", "dZ", g, "left", "top")
+    link("dZ", "dK", g, "left", "right")
+    link("dZ", "dQ", g, "bottom", "right")
+    role_legend(ax, [("forward", INK, {"line": True}),
+                     ("backward: gradients", g, {"line": True})])
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. A transformer block: the residual stream
+
+
+def _plus(ax, x: float, y: float, r: float = 0.1, tag: str | None = None):
+    """The ⊕ where a sublayer's output is added back to the residual stream."""
+    from matplotlib.patches import Circle
+
+    ax.add_patch(Circle((x, y), r, facecolor="white", edgecolor=INK, linewidth=1.3, zorder=3,
+                        label=f"_add {tag}" if tag else None))
+    ax.plot([x - r * 0.6, x + r * 0.6], [y, y], color=INK, linewidth=1.3, zorder=4)
+    ax.plot([x, x], [y - r * 0.6, y + r * 0.6], color=INK, linewidth=1.3, zorder=4)
+
+
+def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False,
+                              T: int | None = None, E: int | None = None):
+    r"""A transformer block as sublayers reading from and adding to the residual stream.
+
+    The residual stream (thick line) carries ``(T, E)`` from left to right. Pre-norm
+    (``norm="pre"``, GPT-2 and most models since): each sublayer normalises a copy of the
+    stream, transforms it (causal multi-head attention, then the MLP) and adds the result back
+    (⊕); the stream itself is never normalised inside the block. Post-norm (``norm="post"``,
+    the original Transformer): the sublayer reads the stream directly and the sum is
+    normalised, on the stream.
+
+    Parameters
+    ----------
+    norm : {"pre", "post"}, default "pre"
+    attention_only : bool, default False
+        Draw only the attention sublayer (no MLP).
+    T, E : int, optional
+        Sizes of the stream: when given (both), its shape labels show the numbers.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    TypeError
+        If ``attention_only`` is not a bool, or a size not an integer.
+    ValueError
+        If ``norm`` is neither "pre" nor "post", a size is not positive, or only one of
+        ``T``, ``E`` is given.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams import transformer_block_diagram, figure_texts
+    >>> texts = figure_texts(transformer_block_diagram(norm="pre", T=5, E=16))
+    >>> [t for t in texts if t in ("LayerNorm", "MLP")]  # norm -> attention; norm -> MLP
+    ['LayerNorm', 'LayerNorm', 'MLP']
+    >>> texts.count("(5, 16)")  # the stream's shape, in and out
+    2
+    """
+    if norm not in ("pre", "post"):
+        raise ValueError(f"norm must be 'pre' or 'post'; got {norm!r}")
+    attention_only = _flag(attention_only, "attention_only")
+    if (T is None) != (E is None):
+        raise ValueError(f"give both sizes T and E or neither; got T={T!r}, E={E!r}")
+    sized = T is not None
+    if sized:
+        T, E = _positive_int(T, "T"), _positive_int(E, "E")
+
+    sub = [("attention", "causal multi-head\nattention", QUERY)]
+    if not attention_only:
+        sub.append(("mlp", "MLP", VALUE))
+    ln_w = text_size("LayerNorm", NAME_PT)[0] + 0.22
+    box_h = 2 * _line_height(NAME_PT) + 0.14
+    sub_w = {k: text_size(t, NAME_PT)[0] + 0.26 for k, t in ((k, t) for k, t, _ in sub)}
+    end_lines = ["input $X$", "$(T, E)$"] + ([_numeric_shape((T, E))] if sized else [])
+    out_lines = ["out", "$(T, E)$"] + ([_numeric_shape((T, E))] if sized else [])
+    end_w = 0.1  # the labels of the ends sit under the stream
+    r = 0.1
+    out_w = 0.0
+
+    def stream_end(stretch: float) -> float:
+        """Where the stream ends, with ``stretch`` of spare room at each of its gaps."""
+        x = MARGIN + end_w
+        for key, _, _ in sub:
+            x += 0.25 + stretch + 0.15  # to the branch, then into the first box
+            if norm == "pre":
+                x += ln_w + 0.15 + stretch / 2
+            x += sub_w[key] + 0.15 + 2 * r
+            if norm == "post":
+                x += 0.2 + stretch / 2 + ln_w
+        return x + 0.3 + stretch
+
+    # The stream's gaps widen (or narrow, a little) evenly to fill the column: stream_end grows
+    # by 1.5 n + 1 times the stretch.
+    spare = FULL_WIDTH - MARGIN - out_w - stream_end(0.0)
+    stretch = min(0.5, max(-0.14, spare / (1.5 * len(sub) + 1)))
+    width = min(FULL_WIDTH, stream_end(stretch) + out_w + MARGIN)
+    title_h = _line_height(NAME_PT) + 0.1
+    height = MARGIN + title_h + box_h + 0.45 + 0.25 + len(end_lines) * _line_height(LABEL_PT) + MARGIN
+    fig, ax = new_canvas(width, height)
+
+    title = ("pre-norm: each sublayer normalises a copy of the stream" if norm == "pre"
+             else "post-norm (original Transformer): the stream itself is normalised")
+    ax.text(MARGIN, height - MARGIN, title, ha="left", va="top", fontsize=NAME_PT, color=INK)
+    y_s = MARGIN + _stack_size([(t, NAME_PT) for t in end_lines])[1] + 0.2  # the stream
+    y_box = y_s + 0.45  # bottom of the sublayer boxes
+    x = MARGIN + end_w
+    for i, t in enumerate(end_lines):  # under the start of the stream
+        ax.text(x, y_s - 0.1 - i * _line_height(NAME_PT), t, ha="left", va="top",
+                fontsize=LABEL_PT if i else NAME_PT, color=INK)
+    for n, (key, text, color) in enumerate(sub):
+        x += 0.25 + stretch
+        branch = x
+        x_box = branch + 0.15
+        ax.plot([branch, branch], [y_s, y_box + box_h / 2], color=INK, linewidth=1.3)
+        ax.plot([branch, x_box], [y_box + box_h / 2] * 2, color=INK, linewidth=1.3)
+        if norm == "pre":
+            ln = draw_box(ax, x_box, y_box, ln_w, box_h, "LayerNorm", color=NEUTRAL, fill=0.1,
+                          tag=f"norm {n + 1}")
+            x_box = ln.x1 + 0.15 + stretch / 2
+            draw_arrow(ax, ln.right, (x_box, ln.cy))
+        box = draw_box(ax, x_box, y_box, sub_w[key], box_h, text, color=color, fill=0.25, tag=key)
+        x_add = box.x1 + 0.15 + r
+        ax.plot([box.x1, x_add], [box.cy] * 2, color=INK, linewidth=1.3)
+        draw_arrow(ax, (x_add, box.cy), (x_add, y_s + r))
+        _plus(ax, x_add, y_s, r, tag=key)
+        x = x_add + r
+        if norm == "post":
+            x += 0.2 + stretch / 2
+            draw_box(ax, x, y_s - box_h / 4, ln_w, box_h / 2, "LayerNorm", color=NEUTRAL,
+                     fill=0.1, tag=f"norm {n + 1}")
+            x += ln_w
+    x_end = x + 0.3 + stretch
+    ax.plot([MARGIN + end_w, x_end], [y_s, y_s], color=_mix(OUTPUT, 0.8, "black"), linewidth=3.0,
+            zorder=0.5, solid_capstyle="butt")
+    draw_arrow(ax, (x_end - 0.2, y_s), (x_end, y_s), color=_mix(OUTPUT, 0.8, "black"),
+               linewidth=1.5)
+    for i, t in enumerate(out_lines):  # under its end
+        ax.text(x_end, y_s - 0.1 - i * _line_height(NAME_PT), t, ha="right", va="top",
+                fontsize=LABEL_PT if i else NAME_PT, color=INK)
+    ax.text((MARGIN + end_w + x_end) / 2, y_s - 0.22, "residual stream", ha="center", va="top",
+            fontsize=LABEL_PT, color=INK)
     return fig
