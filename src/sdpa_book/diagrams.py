@@ -409,7 +409,7 @@ def draw_box(
         raise ValueError(f"fill must lie in [0, 1]; got {fill!r}")
     pad = min(0.04, width / 4, height / 4) if rounded else 0.0
     style = f"round,pad=0,rounding_size={pad}" if rounded else "square,pad=0"
-    ax.add_patch(
+    _add(ax, 
         FancyBboxPatch(
             (x, y), width, height, boxstyle=style, facecolor=_mix(color, fill),
             edgecolor=_shade(color), linewidth=1.1, linestyle=linestyle,
@@ -482,7 +482,7 @@ def draw_arrow(
         connectionstyle=f"arc3,rad={curve}", color=color, linewidth=linewidth,
         linestyle=linestyle, shrinkA=0, shrinkB=0,
     )
-    ax.add_patch(arrow)
+    _add(ax, arrow)
     if label:
         dx, dy, ha, va = offsets[label_side]
         mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
@@ -639,7 +639,8 @@ def draw_matrix(
         ``lse``) rather than as a row.
     tag : str, optional
         Stored as the label ``"_tag <tag>"`` of the grid's outline (a patch), so that tests
-        can find the grid (:func:`tagged_rects`); not shown.
+        can find the grid (:func:`tagged_rects`), and ``"_masked <tag>"`` of the path of its
+        masked cells; not shown.
 
     Returns
     -------
@@ -664,7 +665,7 @@ def draw_matrix(
     >>> figure_texts(fig)
     ['$Q$', '$(T, D_k)$', '(4, 3)']
     """
-    from matplotlib.collections import LineCollection, PatchCollection
+    from matplotlib.collections import LineCollection
     from matplotlib.patches import Rectangle
 
     if not isinstance(shape, (tuple, list)) or len(shape) not in (1, 2):
@@ -679,17 +680,26 @@ def draw_matrix(
 
     face = _mix(color, fill)
     edge = _shade(color)
-    ax.add_patch(Rectangle((x, y), width, height, facecolor=face, edgecolor="none"))
+    _add(ax, Rectangle((x, y), width, height, facecolor=face, edgecolor="none"))
     if masked is not None:
         hidden = np.asarray(masked, dtype=bool)
         if hidden.shape != shape:
             raise ValueError(f"masked must have the matrix's shape {shape}; got {np.shape(masked)}")
         hidden = hidden.reshape(rows, cols)
-        if hidden.size <= 64 * 64:
-            cells = [Rectangle((x + j * cell_w, y + height - (i + 1) * cell_h), cell_w, cell_h)
-                     for i, j in zip(*np.nonzero(hidden))]
-            ax.add_collection(PatchCollection(cells, facecolor=MASKED_COLOR, edgecolor="none"))
-        else:  # too many cells for one patch each: an image of the mask
+        if hidden.size <= 64 * 64:  # one path of squares: a single artist however many cells
+            from matplotlib.patches import PathPatch
+            from matplotlib.path import Path
+
+            squares = [((x + j * cell_w, y + height - (i + 1) * cell_h),
+                        (x + (j + 1) * cell_w, y + height - (i + 1) * cell_h),
+                        (x + (j + 1) * cell_w, y + height - i * cell_h),
+                        (x + j * cell_w, y + height - i * cell_h))
+                       for i, j in zip(*np.nonzero(hidden))]
+            if squares:
+                path = Path.make_compound_path(*(Path(sq + (sq[0],), closed=True) for sq in squares))
+                _add(ax, PathPatch(path, facecolor=MASKED_COLOR, edgecolor="none",
+                                       label=f"_masked {tag}" if tag else None))
+        else:  # too many cells for one square each: an image of the mask
             from matplotlib.colors import to_rgba
 
             image = np.zeros((rows, cols, 4))
@@ -705,7 +715,7 @@ def draw_matrix(
         segments += [((x + j * cell_w, y), (x + j * cell_w, y + height)) for j in range(1, cols)]
     grid_color = "white" if fill >= 0.8 else _mix(edge, 0.45)
     if segments:
-        ax.add_collection(LineCollection(segments, colors=[grid_color], linewidths=0.6))
+        _add(ax, LineCollection(segments, colors=[grid_color], linewidths=0.6))
     blocks = []
     if row_blocks:
         blocks += [((x, y + height - i * cell_h), (x + width, y + height - i * cell_h))
@@ -714,8 +724,8 @@ def draw_matrix(
         blocks += [((x + j * cell_w, y), (x + j * cell_w, y + height))
                    for j in range(col_blocks, cols, col_blocks)]
     if blocks:
-        ax.add_collection(LineCollection(blocks, colors=[edge], linewidths=1.6))
-    ax.add_patch(Rectangle((x, y), width, height, facecolor="none", edgecolor=edge,
+        _add(ax, LineCollection(blocks, colors=[edge], linewidths=1.6))
+    _add(ax, Rectangle((x, y), width, height, facecolor="none", edgecolor=edge,
                            linewidth=1.1, linestyle=linestyle,
                            label=f"_tag {tag}" if tag else None))
 
@@ -767,10 +777,24 @@ def tagged_rects(fig) -> dict[str, Rect]:
     return rects
 
 
+def _add(ax, artist):
+    """Add a patch, line or collection to ``ax`` without updating its data limits (fixed: the
+    canvas is in inches), which would cost more than drawing it."""
+    ax.add_artist(artist)
+    return artist
+
+
+def _segment(ax, xs, ys, **kwargs):
+    """A polyline through ``xs``, ``ys`` (``ax.plot`` without the data-limit bookkeeping)."""
+    from matplotlib.lines import Line2D
+
+    return _add(ax, Line2D(xs, ys, **kwargs))
+
+
 def _outline(ax, rect: Rect, color, *, linewidth: float = 2.2, linestyle: str = "-", fill=None):
     from matplotlib.patches import Rectangle
 
-    ax.add_patch(Rectangle((rect.x0, rect.y0), rect.width, rect.height,
+    _add(ax, Rectangle((rect.x0, rect.y0), rect.width, rect.height,
                            facecolor=fill if fill is not None else "none", edgecolor=color,
                            linewidth=linewidth, linestyle=linestyle))
 
@@ -838,8 +862,8 @@ def draw_bracket(
     if side in ("left", "right"):
         path = [(v, u) for u, v in path]
         tick = [(v, u) for u, v in tick]
-    ax.plot(*zip(*path), color=color, linewidth=1.0, solid_capstyle="butt")
-    ax.plot(*zip(*tick), color=color, linewidth=1.0)
+    _segment(ax, *zip(*path), color=color, linewidth=1.0, solid_capstyle="butt")
+    _segment(ax, *zip(*tick), color=color, linewidth=1.0)
     if not text:
         return None
     far = b + sign * (depth * 0.6 + 0.04)
@@ -1220,7 +1244,7 @@ def _drawn_heads(H: int, limit: int = 4) -> list[int | None]:
 
 
 def _line(ax, start, end, color, *, linewidth: float = 0.9, linestyle: str = "-"):
-    ax.plot([start[0], end[0]], [start[1], end[1]], color=color, linewidth=linewidth,
+    _segment(ax, [start[0], end[0]], [start[1], end[1]], color=color, linewidth=linewidth,
             linestyle=linestyle, solid_capstyle="round")
 
 
@@ -2046,10 +2070,10 @@ def _plus(ax, x: float, y: float, r: float = 0.1, tag: str | None = None):
     """The ⊕ where a sublayer's output is added back to the residual stream."""
     from matplotlib.patches import Circle
 
-    ax.add_patch(Circle((x, y), r, facecolor="white", edgecolor=INK, linewidth=1.3, zorder=3,
+    _add(ax, Circle((x, y), r, facecolor="white", edgecolor=INK, linewidth=1.3, zorder=3,
                         label=f"_add {tag}" if tag else None))
-    ax.plot([x - r * 0.6, x + r * 0.6], [y, y], color=INK, linewidth=1.3, zorder=4)
-    ax.plot([x, x], [y - r * 0.6, y + r * 0.6], color=INK, linewidth=1.3, zorder=4)
+    _segment(ax, [x - r * 0.6, x + r * 0.6], [y, y], color=INK, linewidth=1.3, zorder=4)
+    _segment(ax, [x, x], [y - r * 0.6, y + r * 0.6], color=INK, linewidth=1.3, zorder=4)
 
 
 def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False,
@@ -2147,8 +2171,8 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
         x += 0.25 + stretch
         branch = x
         x_box = branch + 0.15
-        ax.plot([branch, branch], [y_s, y_box + box_h / 2], color=INK, linewidth=1.3)
-        ax.plot([branch, x_box], [y_box + box_h / 2] * 2, color=INK, linewidth=1.3)
+        _segment(ax, [branch, branch], [y_s, y_box + box_h / 2], color=INK, linewidth=1.3)
+        _segment(ax, [branch, x_box], [y_box + box_h / 2] * 2, color=INK, linewidth=1.3)
         if norm == "pre":
             ln = draw_box(ax, x_box, y_box, ln_w, box_h, "LayerNorm", color=NEUTRAL, fill=0.1,
                           tag=f"norm {n + 1}")
@@ -2156,7 +2180,7 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
             draw_arrow(ax, ln.right, (x_box, ln.cy))
         box = draw_box(ax, x_box, y_box, sub_w[key], box_h, text, color=color, fill=0.25, tag=key)
         x_add = box.x1 + 0.15 + r
-        ax.plot([box.x1, x_add], [box.cy] * 2, color=INK, linewidth=1.3)
+        _segment(ax, [box.x1, x_add], [box.cy] * 2, color=INK, linewidth=1.3)
         draw_arrow(ax, (x_add, box.cy), (x_add, y_s + r))
         _plus(ax, x_add, y_s, r, tag=key)
         x = x_add + r
@@ -2166,7 +2190,7 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
                      fill=0.1, tag=f"norm {n + 1}")
             x += ln_w
     x_end = x + 0.3 + stretch
-    ax.plot([MARGIN + end_w, x_end], [y_s, y_s], color=_mix(OUTPUT, 0.8, "black"), linewidth=3.0,
+    _segment(ax, [MARGIN + end_w, x_end], [y_s, y_s], color=_mix(OUTPUT, 0.8, "black"), linewidth=3.0,
             zorder=0.5, solid_capstyle="butt")
     draw_arrow(ax, (x_end - 0.2, y_s), (x_end, y_s), color=_mix(OUTPUT, 0.8, "black"),
                linewidth=1.5)
