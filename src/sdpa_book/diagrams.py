@@ -417,7 +417,7 @@ def draw_box(
         raise ValueError(f"fill must lie in [0, 1]; got {fill!r}")
     pad = min(0.04, width / 4, height / 4) if rounded else 0.0
     style = f"round,pad=0,rounding_size={pad}" if rounded else "square,pad=0"
-    _add(ax, 
+    _add(ax,
         FancyBboxPatch(
             (x, y), width, height, boxstyle=style, facecolor=_mix(color, fill),
             edgecolor=_shade(color), linewidth=1.1, linestyle=linestyle,
@@ -567,13 +567,6 @@ def _matrix_size(shape, unit: float, min_size: float = 0.1, column: bool = False
     """Width and height, in inches, of the grid :func:`draw_matrix` draws for ``shape``."""
     rows, cols = _grid_shape(shape, column)
     return _extent(cols, unit, min_size), _extent(rows, unit, min_size)
-
-
-def _label_size(name, dims, shape, side_lines: str = "all") -> tuple[float, float]:
-    """Width and height of the label stack of a matrix (name, symbolic shape, numeric shape)."""
-    lines = _label_lines(name, dims, shape, "s" if side_lines in ("all", "name") else None,
-                         "s" if side_lines in ("all", "shape") else None)
-    return _stack_size(lines.get("s", []))
 
 
 def draw_matrix(
@@ -1081,7 +1074,6 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     x_rect = draw_matrix(ax, x_vec0, y_mid - vec_h / 2, (E,), unit=cell, min_size=vec_h,
                          color=NEUTRAL, fill=0.12, name="embedding $x$", dims=("E",), values=x,
                          tag="x")
-    # draw_matrix sizes a 1-D row by `unit`; force the row height to vec_h via min_size.
     draw_arrow(ax, tok.right, x_rect.left)
     for (o, b, W, dims, color, out_dims), yc, h in zip(branches, centres, rows_h):
         w_rect = draw_matrix(ax, x_w0, yc - h / 2, W.shape, unit=unit_w, color=color, fill=0.3,
@@ -1889,7 +1881,7 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
                                    fast_top=MARGIN + fast_h, loop_at=(fast_right + 0.3, MARGIN + fast_h))
 
     unit, width, height, plan = _fit_unit(layout, 0.2, FULL_WIDTH, 5.8)
-    ws, xs, wf, xf, h = plan["ws"], plan["xs"], plan["wf"], plan["xf"], plan["h"]
+    xs, xf, h = plan["xs"], plan["xf"], plan["h"]
     fig, ax = new_canvas(width, height)
 
     def panel(x_left, y_top, panel_h, right, title, color):
