@@ -254,4 +254,5 @@ def test_code_cells_keep_their_outputs_and_glued_figures(notebook):
 def test_the_notebook_header_says_what_it_is(notebook):
     kind, header = _cells(notebook)[0]
     assert kind == "markdown"
-    assert header.startswith("> This notebook is the page **Tiny page** of *sdpa: scaled dot-product attention*")
+    assert header.startswith("> This notebook is the page **Tiny page** of *")
+    assert f"(Python {sys.version_info[0]}.{sys.version_info[1]}." in header
