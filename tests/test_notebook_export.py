@@ -142,6 +142,23 @@ PAGE = textwrap.dedent(
     :tags: [hide-input]
     print("hidden input")
     ```
+
+    ```{code-cell} ipython3
+    :tags: [remove-output]
+    fig, ax = plt.subplots(figsize=(2, 1.5))
+    ax.bar([0, 1], [1, 2])
+    glue("fig-bars", fig, display=False)
+    plt.close(fig)
+    ```
+
+    Prose between the cell that draws a figure and the figure.
+
+    :::{glue:figure} fig-bars
+    :alt: Two bars.
+    :name: fig-bars
+
+    Two bars.
+    :::
     """
 ).lstrip()
 
@@ -232,10 +249,13 @@ def test_hidden_cells_stay_marked_and_folded(notebook):
         "# The website shows only this cell's output: this cell writes the table.",
         "# Folded on the website behind \"Show the solution's code\".",
         "# The website folds this cell's code.",
+        "# The website shows this cell's code without its output: this cell draws the figure.",
     ]
     hidden = [c["metadata"].get("jupyter", {}) for c in code]
-    assert [h.get("source_hidden", False) for h in hidden] == [True, False, True, True, True, True, True]
+    assert [h.get("source_hidden", False) for h in hidden] == [True, False, True, True, True, True, True, False]
     assert hidden[5].get("outputs_hidden") is True  # hide-cell folds the output too
+    # ... but not the figure a cell glues: the site shows it where the text does.
+    assert hidden[7].get("outputs_hidden") is False
 
 
 def test_code_cells_keep_their_outputs_and_glued_figures(notebook):
@@ -245,7 +265,14 @@ def test_code_cells_keep_their_outputs_and_glued_figures(notebook):
     # The figure glued with display=False is where sdpa_book.glue shows it outside the build:
     # an output of the cell that glued it (and not an attachment of the caption's cell).
     assert any(k.startswith("image/") for k in code[3]["outputs"][0]["data"])
-    assert not any(c.get("attachments") for c in notebook["cells"] if c["cell_type"] == "markdown")
+    assert any(k.startswith("image/") for k in code[7]["outputs"][0]["data"])
+    # Where prose comes between the cell and the figure, the figure is also in the text.
+    attached = [c for c in notebook["cells"] if c["cell_type"] == "markdown" and c.get("attachments")]
+    assert len(attached) == 1
+    (name,) = attached[0]["attachments"]
+    text = "".join(attached[0]["source"])
+    assert text.endswith(f"![Two bars.](attachment:{name})\n\n**Fig. 2.** Two bars.")
+    assert list(attached[0]["attachments"][name]) == ["image/svg+xml"]
     # Plain numbers glued with display=False are not outputs (the text states them).
     assert code[2]["outputs"] == []
     assert "glue" not in json.dumps([c["outputs"] for c in code])  # no glue metadata left

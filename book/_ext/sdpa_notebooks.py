@@ -495,6 +495,8 @@ def mark_hidden(cell: Cell, glue: dict) -> tuple[str, dict]:
     does = f": this cell {what}" if what else ""
     prompt = meta.get("mystnb", {}).get("code_prompt_show")
     behind = f' behind "{prompt.replace("{type}", "content")}"' if prompt else ""
+    # A value glued here shows on the site where the text puts it: the reader sees it here.
+    hide_outputs = not any(_is_rich(glue[name]["data"]) for name in cell.glued)
     if "remove-cell" in tags or {"remove-input", "remove-output"} <= tags:
         note = f"Hidden on the website: this cell {what or 'sets up what later cells use'}."
         jupyter["source_hidden"] = True
@@ -503,16 +505,17 @@ def mark_hidden(cell: Cell, glue: dict) -> tuple[str, dict]:
         jupyter["source_hidden"] = True
     elif "hide-cell" in tags:
         note = f"Folded on the website{behind}{does}."
-        jupyter["source_hidden"] = jupyter["outputs_hidden"] = True
+        jupyter["source_hidden"] = True
+        jupyter["outputs_hidden"] = hide_outputs
     elif "hide-input" in tags:
         note = f"The website folds this cell's code{behind}{does}."
         jupyter["source_hidden"] = True
     elif "remove-output" in tags:
-        note = "The website shows this cell's code without its output."
-        jupyter["outputs_hidden"] = True
+        note = f"The website shows this cell's code without its output{does}."
+        jupyter["outputs_hidden"] = hide_outputs
     elif "hide-output" in tags:
-        note = f"The website folds this cell's output{behind}."
-        jupyter["outputs_hidden"] = True
+        note = f"The website folds this cell's output{behind}{does}."
+        jupyter["outputs_hidden"] = hide_outputs
     else:
         return source, meta
     meta["jupyter"] = jupyter
