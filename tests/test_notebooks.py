@@ -4,7 +4,8 @@ With the built site served on 127.0.0.1, the test downloads each page's notebook
 download menu, and the files the page "Run it yourself" links (the archive, the ``sdpa`` wheel,
 ``requirements.txt``); then it follows that page's commands: unpack the archive, create a
 virtual environment in its folder, ``pip install -r requirements.txt <wheel>`` (pip may use its
-cache), and run every notebook top to bottom with ``jupyter execute``, two at a time.
+cache; ``--no-compile`` saves half the install's time), and run every notebook top to bottom with
+``jupyter execute``, two at a time.
 
 It fails when a page with code offers no notebook; when a notebook's Markdown still holds MyST (a
 ``{role}`` or a directive fence: ``{glue``, ``{ref``, ``{cite``, ``{numref``...); when its code
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import hashlib
 import http.server
 import io
 import json
@@ -47,11 +49,13 @@ RUN_PAGE = "run-it-yourself.html"
 PARALLEL = 2  # notebooks run at once: the CI machine has 2 cores
 TIMEOUT = 600  # seconds for one notebook on a busy machine (the build allows 180 per page)
 
-# MyST left in a Markdown cell: a role (`{name}` then a backtick), a directive fence, or the
-# start of a role the book uses, anywhere.
-MYST_ROLE = re.compile(r"\{[A-Za-z][\w:.+-]*\}`")
-MYST_FENCE = re.compile(r"^[\s>]*(```+|:::+)\s*\{", re.M)
+# MyST left in a Markdown cell: a role (`{name}` and its backticked text), a directive fence, or
+# the start of a role the book uses, outside maths and code (where braces are TeX or code).
+MYST_ROLE = re.compile(r"(?<!`)\{([A-Za-z][\w:.+-]*)\}`[^`\n]*`")
+MYST_FENCE = re.compile(r"^[ \t>]*(?:```+|:::+)[ \t]*\{[^}]*\}", re.M)
 MYST_WORDS = ("{glue", "{ref", "{cite", "{numref", "{doc}", "{eq}", "{func}", "{class}", "{code-cell")
+MATHS = re.compile(r"\$\$.*?\$\$|(?<!\\)\$[^$\n]+?(?<!\\)\$", re.S)
+CODE = re.compile(r"`+[^`\n]*`+")
 FIGURE = re.compile(r"<img\b[^>]*\bsrc=\"[^\"]*_images/", re.I)  # figures and plots of the page
 NOTEBOOK_LINK = re.compile(r"href=\"([^\"]*_sources/[^\"]+\.ipynb)\"")
 DOWNLOAD_LINK = re.compile(r"href=\"([^\"]*downloads/[^\"]+)\"")
@@ -176,7 +180,12 @@ def reader(server, tmp_path_factory) -> dict:
     bin_dir = folder / ".venv" / "bin"
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     pip = [bin_dir / "python", "-m", "pip", "--disable-pip-version-check"]
-    install = _run([*pip, "install", "--quiet", "-r", "requirements.txt", found["wheel"]], env, folder, 900)
+    # --no-compile: the one change to the page's command; pip's byte-compiling of every module
+    # of every package is most of the install's time, and the kernels compile what they import.
+    install = _run(
+        [*pip, "install", "--quiet", "--no-compile", "-r", "requirements.txt", found["wheel"]],
+        env, folder, 900,
+    )  # fmt: skip
     assert install.returncode == 0, f"pip install failed:\n{install.stdout}\n{install.stderr}"
     found["freeze"] = _run([*pip, "freeze", "--all"], env, folder, 120).stdout
     found["seconds"]["install"] = time.perf_counter() - t0
@@ -217,6 +226,23 @@ def reader(server, tmp_path_factory) -> dict:
     return found
 
 
+def myst_left(text: str) -> list[str]:
+    """The MyST a Markdown text still holds: roles, directive fences, role names."""
+    text = MATHS.sub(" ", text)
+    left = [f"{{{name}}}" for name in MYST_ROLE.findall(text)] + MYST_FENCE.findall(text)
+    text = CODE.sub(" ", MYST_ROLE.sub(" ", text))
+    return sorted(set(left + [word for word in MYST_WORDS if word in text]))
+
+
+def test_myst_left_finds_roles_and_directives_but_not_tex_or_code():
+    text = (
+        "A {glue:text}`x:.3f` and {ref}`sec`, `{cite:p}` as code, $\\text{ref}$ and\n"
+        "$$\n\\frac{a}{b}\n$$\n:::{glue:figure} fig\n:::\n> ```{note}\nand {numref"
+    )
+    assert myst_left(text) == [":::{glue:figure}", "> ```{note}", "{glue", "{glue:text}", "{numref", "{ref}"]
+    assert myst_left("Plain $\\operatorname{softmax}(s)$ and `glue(\"x\", {})`.") == []
+
+
 def _sources(notebook: dict, kind: str) -> list[str]:
     return ["".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == kind]
 
@@ -245,9 +271,7 @@ def test_notebook_runs_off_the_site(page, reader):
     assert "downloaded" in info, f"{page} has code but its download menu offers no .ipynb"
     problems = []
     for text in _sources(info["downloaded"], "markdown"):
-        left = sorted(set(MYST_ROLE.findall(text) + MYST_FENCE.findall(text)))
-        left += [word for word in MYST_WORDS if word in text]
-        if left:
+        if left := myst_left(text):
             problems.append(f"MyST left in a Markdown cell: {left} in {text[:160]!r}")
     problems += [
         f"a code cell uses myst_nb: {code[:160]!r}"
@@ -293,7 +317,9 @@ def test_environment_holds_only_the_wheel_and_the_pins(reader):
     pins = parse(reader["files"]["requirements.txt"].decode())
     assert {"numpy", "matplotlib", "ipykernel", "nbclient"} <= set(pins), sorted(pins)
     installed = parse(reader["freeze"])
-    assert installed.pop("sdpa").endswith("/" + reader["wheel"])  # the wheel from the site
+    url, _, digest = installed.pop("sdpa").partition("#sha256=")  # the wheel from the site
+    assert url.endswith("/" + reader["wheel"])
+    assert digest == hashlib.sha256(reader["files"][reader["wheel"]]).hexdigest()
     for tool in ("pip", "setuptools", "wheel"):  # the virtual environment's own installer
         installed.pop(tool, None)
     assert installed == pins
