@@ -56,6 +56,9 @@ bibtex_reference_style = "author_year"
 
 exclude_patterns = ["_build", "_static", "**/.ipynb_checkpoints"]
 
+# Figures and tables are numbered, so {numref} can say "Figure 3".
+numfig = True
+
 # MyST and MyST-NB
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "substitution"]
 myst_heading_anchors = 3
