@@ -11,23 +11,31 @@ Three things here go beyond a stock configuration:
   Python, NumPy and Matplotlib versions): when the package changes, Sphinx sees a changed
   configuration, re-reads every page, and myst-nb finds an empty cache, so every page executes
   against the new code. Reverting the package finds the older cache again.
-* **Notebook downloads.** myst-nb writes each executed page as a notebook; :func:`copy_notebooks`
-  puts it beside the MyST source in ``_sources/`` and the theme's download menu offers both.
+* **Notebooks a reader can run, and the package.** ``book/_ext/sdpa_notebooks.py`` writes each
+  executed page as a notebook for a plain Jupyter (glued values and figures in place, MyST
+  turned into Markdown, hidden cells kept and marked) beside its MyST source in ``_sources/``,
+  where the theme's download menu offers both; it copies the ``sdpa`` wheel and source archive
+  that ``make html`` builds into ``downloads/``, with a pinned ``requirements.txt`` and one
+  archive of every notebook.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import math
 import os
+import re
 import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "book" / "_ext"))  # the book's own extension: sdpa_notebooks
 
-project = "sdpa: scaled dot-product attention"
+BOOK_TITLE = "Scaled Dot-Product Attention, from Intuition to Kernels"
+project = BOOK_TITLE
 author = "the sdpa authors"
 copyright = "2026, the sdpa authors"
 
@@ -42,6 +50,7 @@ extensions = [
     "sphinx_design",
     "sphinx_togglebutton",
     "sphinxcontrib.bibtex",
+    "sdpa_notebooks",  # book/_ext: the reader's notebooks and the package in the site
 ]
 
 # One .bib file per topic so that chapters can add references independently.
@@ -51,7 +60,10 @@ bibtex_bibfiles = sorted(
 bibtex_default_style = "plain"
 bibtex_reference_style = "author_year"
 
-exclude_patterns = ["_build", "_static", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_static", "_ext", "**/.ipynb_checkpoints"]
+
+# Figures and tables are numbered, so {numref} can say "Figure 3".
+numfig = True
 
 # MyST and MyST-NB
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "substitution"]
@@ -76,11 +88,11 @@ autodoc_member_order = "bysource"
 mathjax_path = "mathjax/tex-chtml.js"
 
 html_theme = "sphinx_book_theme"
-html_title = "sdpa"
+html_title = BOOK_TITLE  # the sidebar and the browser tab show the book's own title
 html_favicon = "book/_static/favicon.svg"  # also spares the browser a request for /favicon.ico
 html_static_path = ["book/_static"]
 html_css_files = ["sdpa.css"]
-html_js_files = [("mathjax-config.js", {"priority": 510})]
+html_js_files = [("mathjax-config.js", {"priority": 510}), "search-snippets.js"]
 # The pydata/book themes log a console error on a first visit without a stored mode.
 html_context = {"default_mode": "auto"}
 html_theme_options = {
@@ -201,36 +213,45 @@ def copy_mathjax(app, exception) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Each executed page offered as a notebook.
+# --------------------------------------------------------------------------------------------
+# Reading times on the landing page, computed from the pages themselves.
+
+WORDS_PER_MINUTE = 200  # prose; code a reader reads counts at half speed
+READING_TIME = re.compile(r"\[\[minutes:([\w/.-]+)\]\]")
 
 
-def _notebook_path(app, docname: str) -> Path:
-    # myst-nb writes executed notebooks to <outdir>/../jupyter_execute/<docname>.ipynb.
-    return Path(app.outdir).parent / "jupyter_execute" / f"{docname}.ipynb"
+def reading_minutes(text: str) -> int:
+    """Minutes to read a MyST page: its prose and visible code, hidden cells and markup excluded."""
+    words = 0.0
+    cells = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+    for match in cells.finditer(text):
+        body = match.group(1)
+        if re.search(r"^:tags:.*\b(remove-cell|remove-input|hide-cell|hide-input)\b", body, re.M):
+            continue
+        code = [line for line in body.splitlines() if line.strip() and not line.startswith(":")]
+        words += 0.5 * sum(len(line.split()) for line in code)
+    prose = cells.sub("", text)
+    prose = re.sub(r"\A---\n.*?\n---\n", "", prose, flags=re.S)  # front matter
+    prose = re.sub(r"^(:{3,}|`{3,}).*$|^:\w[\w-]*:.*$|^%.*$|^\(.*\)=$", "", prose, flags=re.M)
+    prose = re.sub(r"\{[\w:-]+\}`([^`<]*)(<[^>]*>)?`", r"\1", prose)  # roles: keep their text
+    words += len(re.findall(r"[A-Za-z0-9]+(?:[-'][A-Za-z0-9]+)*", prose))
+    return max(1, math.ceil(words / WORDS_PER_MINUTE))
 
 
-def _is_notebook(app, docname: str) -> bool:
-    """True when myst-nb wrote this page as a notebook since its source last changed."""
-    notebook = _notebook_path(app, docname)
-    source = Path(app.env.doc2path(docname))
-    return notebook.exists() and notebook.stat().st_mtime >= source.stat().st_mtime
+def write_reading_times(app, docname, source) -> None:
+    """Replace ``[[minutes:docname]]`` by the reading time of that page, e.g. ``8 min``."""
+
+    def minutes(match) -> str:
+        path = Path(app.srcdir) / f"{match.group(1)}.md"
+        return f"{reading_minutes(path.read_text(encoding='utf-8'))} min"
+
+    if "[[minutes:" in source[0]:
+        source[0] = READING_TIME.sub(minutes, source[0])
 
 
-def offer_notebook(app, pagename, templatename, context, doctree) -> None:
-    """Let the theme's download menu list the page's .ipynb (runs before the theme's hook)."""
-    if doctree is not None and _is_notebook(app, pagename):
-        context["ipynb_source"] = f"{pagename}.ipynb"
-
-
-def copy_notebooks(app, exception) -> None:
-    if exception or app.builder.format != "html":
-        return
-    sources = Path(app.outdir) / "_sources"
-    for docname in sorted(app.env.found_docs):
-        if _is_notebook(app, docname):
-            target = sources / f"{docname}.ipynb"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(_notebook_path(app, docname), target)
+def landing_page_is_always_outdated(app, env, added, changed, removed) -> list[str]:
+    """The landing page shows every page's reading time: re-read it whenever a page changed."""
+    return ["index"] if (added or changed or removed) and "index" not in changed else []
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,13 +289,13 @@ def write_api_reference(app, docname, source) -> None:
 
 def setup(app):
     app.connect("source-read", write_api_reference)
+    app.connect("source-read", write_reading_times)
+    app.connect("env-get-outdated", landing_page_is_always_outdated)
     app.add_config_value("sdpa_package_fingerprint", "", "env", types=frozenset({str}))
     # Before myst-nb reads nb_execution_cache_path in builder-inited.
     app.connect("config-inited", key_execution_cache)
     app.connect("builder-inited", check_mathjax)
     app.connect("build-finished", copy_mathjax)
-    app.connect("build-finished", copy_notebooks)
-    app.connect("html-page-context", offer_notebook, priority=400)
     # Formulas in headings appear in the navigation of every page, so load MathJax everywhere.
     app.set_html_assets_policy("always")
     return {"parallel_read_safe": True, "parallel_write_safe": True}
