@@ -308,11 +308,24 @@ def run_case(case, torch, peaks, idle, baseline=None) -> dict:
     return result
 
 
+def baseline_tiled_one_thread(baseline, q, k, v, is_causal):
+    """A call of the baseline's tiled path on one thread, whichever layout the baseline has.
+
+    Since issue 16 the problem lives in ``sdpa.problem`` and the thread count is
+    ``num_threads``; before, ``sdpa.attention.prepare_attention`` and ``workers``.
+    """
+    if hasattr(baseline, "problem"):
+        problem = baseline.problem.prepare_attention(q, k, v, None, is_causal)
+        return lambda: baseline.tiled.attention_tiled(problem, num_threads=1)
+    problem = baseline.attention.prepare_attention(q, k, v, None, is_causal)
+    return lambda: baseline.tiled.attention_tiled(problem, workers=1)
+
+
 def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
     """Where the time goes, on one core: torch, ours, and ours with the exponential removed.
 
     Both libraries run on the calling thread (``torch.set_num_threads(1)``, BLAS held to one
-    thread, ``workers=1``), so ``time.thread_time`` measures their CPU time and other processes
+    thread, ``num_threads=1``), so ``time.thread_time`` measures their CPU time and other processes
     on the machine disturb it little. The third variant swaps the kernel's elementwise
     exponential for a multiplication (its results are wrong; only its time matters): what is
     left is the matrix products and the bookkeeping, which is what a faster exponential could
@@ -322,8 +335,8 @@ def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
     """
     from threadpoolctl import threadpool_limits
 
-    from sdpa import tiled
-    from sdpa.attention import prepare_attention
+    from sdpa.problem import prepare_attention
+    from sdpa.tiled import attention_tiled
 
     def no_exp(x, out):
         return np.multiply(x, 0.0, out=out)
@@ -339,19 +352,14 @@ def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
             problem = prepare_attention(q, k, v, None, is_causal)
 
             def ours():
-                tiled.attention_tiled(problem, workers=1)
+                attention_tiled(problem, num_threads=1)
 
             def ours_no_exp():
-                tiled._tile_exp = no_exp
-                try:
-                    tiled.attention_tiled(problem, workers=1)
-                finally:
-                    tiled._tile_exp = np.exp
+                attention_tiled(problem, num_threads=1, exp=no_exp)
 
             impls = {"ours": ours, "ours without exp": ours_no_exp}
             if baseline is not None:
-                old_problem = baseline.attention.prepare_attention(q, k, v, None, is_causal)
-                impls["baseline"] = lambda: baseline.tiled.attention_tiled(old_problem, workers=1)
+                impls["baseline"] = baseline_tiled_one_thread(baseline, q, k, v, is_causal)
             if torch is not None:
                 tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
 
@@ -475,8 +483,8 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     Times are the best of the rounds, the estimate least disturbed by other processes on a
     shared machine (the question is which path is faster, not how fast either is on average).
     """
-    from sdpa.attention import prepare_attention
-    from sdpa.tiled import worth_tiling
+    from sdpa.cost_model import worth_tiling
+    from sdpa.problem import prepare_attention
 
     rng = np.random.default_rng(case["n"] * case["d"])
     shape = (*case["lead"], case["n"], case["d"])

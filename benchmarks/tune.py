@@ -8,10 +8,10 @@
   Configurations are interleaved round after round; the table shows the best round of each,
   relative to the current default.
 * ``threshold``: wall time of ``implementation="reference"`` and ``"tiled"`` (all cores)
-  interleaved, for small problems, to place ``sdpa.tiled.MIN_TILED_SCORES``.
+  interleaved, for small problems, to place ``sdpa.cost_model.MIN_TILED_SCORES``.
 * ``auto``: wall time of both paths, interleaved (best of several rounds, which is the least
   disturbed by other processes), over a grid of head counts, lengths and widths; then a
-  least-squares fit of the cost model of ``sdpa.tiled.estimated_times`` (relative errors,
+  least-squares fit of the cost model of ``sdpa.cost_model.estimated_times`` (relative errors,
   coefficients kept non-negative). Prints the fitted ``REFERENCE_COST`` and ``TILED_COST`` and,
   for each case, which path the fitted and the current models choose and what that costs.
 """
@@ -26,7 +26,7 @@ from threadpoolctl import threadpool_limits
 
 import sdpa
 from sdpa import tiled
-from sdpa.attention import prepare_attention
+from sdpa.problem import prepare_attention
 
 rng = np.random.default_rng(0)
 
@@ -44,7 +44,7 @@ def tiles(n=2048, rounds=3):
                 for _ in range(rounds):
                     for c in configs:
                         start = time.thread_time()
-                        tiled.attention_tiled(problem, block_q=c[0], block_k=c[1], workers=1)
+                        tiled.attention_tiled(problem, block_q=c[0], block_k=c[1], num_threads=1)
                         best[c] = min(best[c], time.thread_time() - start)
             ref = best.get(default, min(best.values()))
             print(f"{np.dtype(dtype).name} causal={is_causal}: " + "  ".join(
@@ -122,30 +122,25 @@ def auto(rounds=5, dtype=np.float32):
 
     CPU time of one thread barely moves when other processes share the machine, where wall
     time can change tenfold; so both paths run on one thread (BLAS held to one thread, the
-    tiled path with ``workers=1``), their CPU costs are fitted term by term, and the wall time
+    tiled path with ``num_threads=1``), their CPU costs are fitted term by term, and the wall time
     on ``W`` idle cores is modelled from them: the tiled path divides its work among the
     workers; the reference path's products (the term proportional to the head width) run on
     BLAS's threads, its softmax passes on one. The fixed cost of a call (validation, and for
     the tiled path the creation of its threads) is the best wall time of a tiny problem.
     """
-    from sdpa.tiled import (
-        REFERENCE_COST,
-        TILED_COST,
-        attention_tiled,
-        default_workers,
-        estimated_times,
-        tiling_geometry,
-    )
     from sdpa.attention import attention_reference
+    from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times, tiling_geometry
+    from sdpa.threads import default_num_threads
+    from sdpa.tiled import attention_tiled
 
-    workers = default_workers()
+    workers = default_num_threads()
     rows = []
     with threadpool_limits(1, user_api="blas"):
         for lead, n, d, is_causal in auto_grid():
             q, k, v = (rng.standard_normal((*lead, n, d)).astype(dtype) for _ in range(3))
             problem = prepare_attention(q, k, v, None, is_causal)
             ref = 1e6 * _cpu_time(lambda: attention_reference(problem), rounds)
-            til = 1e6 * _cpu_time(lambda: attention_tiled(problem, workers=1), rounds)
+            til = 1e6 * _cpu_time(lambda: attention_tiled(problem, num_threads=1), rounds)
             units, tiles_, scores, _ = tiling_geometry(problem)
             matrices = int(np.prod(problem.batch_shape))
             rows.append(dict(lead=lead, n=n, d=d, causal=is_causal, ref=ref, tiled=til,
@@ -188,18 +183,10 @@ def auto(rounds=5, dtype=np.float32):
               f"{low:.2f} to {high:.2f}")
 
     # which path each model picks, by the modelled wall times
-    import sdpa.tiled as tiled_module
-
     def picks(model_ref, model_til):
-        saved = dict(tiled_module.REFERENCE_COST), dict(tiled_module.TILED_COST)
-        tiled_module.REFERENCE_COST.update(model_ref)
-        tiled_module.TILED_COST.update(model_til)
-        try:
-            return ["tiled" if t < r else "reference"
-                    for r, t in (estimated_times(row["problem"]) for row in rows)]
-        finally:
-            tiled_module.REFERENCE_COST.update(saved[0])
-            tiled_module.TILED_COST.update(saved[1])
+        times = (estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
+                 for row in rows)
+        return ["tiled" if t < r else "reference" for r, t in times]
 
     new_picks = picks(fitted_ref, fitted_til)
     old_picks = picks(REFERENCE_COST, TILED_COST)

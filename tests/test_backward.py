@@ -330,11 +330,10 @@ def test_out_and_lse_given_skip_the_forward(rng, monkeypatch, implementation):
     def no_forward(*args, **kwargs):
         raise AssertionError("the forward pass was recomputed")
 
-    import sdpa.attention
-    import sdpa.tiled
+    import sdpa.backward
 
-    monkeypatch.setattr(sdpa.attention, "attention_reference", no_forward)
-    monkeypatch.setattr(sdpa.tiled, "attention_tiled", no_forward)
+    monkeypatch.setattr(sdpa.backward, "attention_reference", no_forward)
+    monkeypatch.setattr(sdpa.backward, "attention_tiled", no_forward)
     with pytest.raises(AssertionError, match="recomputed"):  # the patch is effective
         attention_backward(d_out, q, k, v, is_causal=True, implementation=implementation)
     got = attention_backward(
@@ -362,7 +361,7 @@ def test_auto_tiles_large_problems_only(rng, monkeypatch):
 
 
 def test_auto_tiles_exactly_when_the_forward_pass_does(rng, monkeypatch):
-    # Problems on both sides of the forward pass's rule (sdpa.tiled.worth_tiling): one head,
+    # Problems on both sides of the forward pass's rule (sdpa.cost_model.worth_tiling): one head,
     # several, GQA, many small heads. The backward pass takes the tiled path iff the forward
     # pass does, and both decisions occur.
     import sdpa.attention

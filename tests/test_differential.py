@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from sdpa import KVCache, elu_feature_map, linear_attention
 from sdpa import scaled_dot_product_attention as attention
 from sdpa import scaled_dot_product_attention_backward as attention_backward
-from sdpa.attention import _finish, prepare_attention
+from sdpa.problem import prepare_attention
 from sdpa.tiled import attention_tiled
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -158,7 +158,7 @@ def options(p):
 def tiled_forward(p):
     problem = prepare_attention(p["q"], p["k"], p["v"], p["mask"], **options(p))
     out, lse = attention_tiled(problem, block_q=p["block_q"], block_k=p["block_k"])
-    return _finish(problem, out, None, lse, False, True)
+    return problem.finish(out, lse=lse)
 
 
 def assert_close(got, want, tol, what):

@@ -15,7 +15,7 @@ import pytest
 import sdpa
 import sdpa.attention as attention_module
 from sdpa import causal_mask, scaled_dot_product_attention, sliding_window_mask
-from sdpa.attention import _finish, prepare_attention
+from sdpa.problem import prepare_attention
 from sdpa.tiled import TileStats, attention_tiled, tile_map
 
 TOL = {
@@ -38,14 +38,14 @@ def qkv(rng, dtype=np.float64, *, t=T, s=S, hq=H, hkv=H, dk=DK, dv=DV):
     )
 
 
-def tiled(q, k, v, attn_mask=None, is_causal=False, *, block_q, block_k, workers=None,
+def tiled(q, k, v, attn_mask=None, is_causal=False, *, block_q, block_k, num_threads=None,
           stats=None, **kwargs):
     """The tiled path with chosen tile sizes; returns ``(out, lse)`` shaped as the public API."""
     problem = prepare_attention(q, k, v, attn_mask, is_causal, **kwargs)
     out, lse = attention_tiled(
-        problem, block_q=block_q, block_k=block_k, workers=workers, stats=stats
+        problem, block_q=block_q, block_k=block_k, num_threads=num_threads, stats=stats
     )
-    return _finish(problem, out, None, lse, False, True)
+    return problem.finish(out, lse=lse)
 
 
 def reference(q, k, v, attn_mask=None, is_causal=False, **kwargs):
@@ -233,13 +233,13 @@ def test_nan_in_a_masked_out_key_does_not_spread(rng):
     assert_same((out, lse), reference(q, k, v, mask))
 
 
-def test_workers_give_identical_results(rng):
+def test_thread_counts_give_identical_results(rng):
     # Work units are independent, so the result does not depend on the number of threads,
     # not even in the last bit.
     q, k, v = qkv(rng, np.float32, t=150, s=140)
-    one = tiled(q, k, v, None, True, block_q=8, block_k=16, workers=1)
-    two = tiled(q, k, v, None, True, block_q=8, block_k=16, workers=2)
-    three = tiled(q, k, v, None, True, block_q=8, block_k=16, workers=3)
+    one = tiled(q, k, v, None, True, block_q=8, block_k=16, num_threads=1)
+    two = tiled(q, k, v, None, True, block_q=8, block_k=16, num_threads=2)
+    three = tiled(q, k, v, None, True, block_q=8, block_k=16, num_threads=3)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(one, three):
@@ -388,27 +388,22 @@ def test_auto_keeps_many_small_heads_on_the_reference_path(rng, spy):
         ((5, 40, 8), (5, 40, 40), {}),
     ],
 )
-def test_tiling_geometry_counts_what_the_kernel_visits(rng, monkeypatch, shape, mask_shape, kw):
+def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, kw):
     # The counts behind the "auto" rule, against the kernel's own counters.
-    import sdpa.tiled
-    from sdpa.tiled import tiling_geometry
+    from sdpa.cost_model import tiling_geometry
+    from sdpa.threads import default_num_threads
 
-    runs = []
-    real_run = sdpa.tiled._Worker.run
-    monkeypatch.setattr(
-        sdpa.tiled._Worker, "run", lambda self, *a: runs.append(a) or real_run(self, *a)
-    )
     q = normal(rng, shape)
     k = normal(rng, shape[:-3] + (shape[-3] // 2,) + shape[-2:]) if kw.get("enable_gqa") else q
     mask = None if mask_shape is None else np.ones(mask_shape, dtype=bool)
     is_causal = kw.pop("is_causal", False)
     problem = prepare_attention(q, k, k, mask, is_causal, **kw)
-    units, tiles, scores, workers = tiling_geometry(problem)
+    units, tiles, scores, num_threads = tiling_geometry(problem)
     stats = TileStats()
     attention_tiled(problem, stats=stats)
     assert tiles == stats.computed
-    assert units == len(runs)
-    assert workers == min(sdpa.tiled.default_workers(), units)
+    assert units == stats.units
+    assert num_threads == min(default_num_threads(), units)
     # scores: the entries of the computed tiles, trimmed to the band's keys (independent sum)
     band = np.ones((problem.T, problem.S), dtype=bool)
     if is_causal or kw.get("window"):
@@ -619,7 +614,7 @@ def two_blas_threads():
 def test_overlapping_blas_limits_are_restored(two_blas_threads):
     # Two calls whose single-threaded sections overlap, the first finishing first: the setting
     # must come back to what it was, not to what the second call saw on entry (one thread).
-    from sdpa.tiled import single_threaded_blas
+    from sdpa.threads import single_threaded_blas
 
     first, second = single_threaded_blas(), single_threaded_blas()
     first.__enter__()

@@ -25,8 +25,11 @@ __all__ = [
     "check_range",
     "range_error",
     "check_window",
+    "check_int",
     "check_nonneg_int",
     "check_positive_int",
+    "check_query_key_value",
+    "shape_error",
 ]
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -188,22 +191,65 @@ def _format_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def check_int(value, name: str, *, minimum: int | None = None) -> int:
+    """Return ``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``, else raise.
+
+    The one integer check: ``TypeError`` for a non-integer, ``ValueError`` below ``minimum``,
+    both saying what was expected and what was given.
+    """
+    if minimum is None:
+        expected = "an integer"
+    elif minimum == 0:
+        expected = "a non-negative integer"
+    elif minimum == 1:
+        expected = "a positive integer"
+    else:
+        expected = f"an integer >= {minimum}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be {expected}; got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be {expected}; got {value!r}")
+    return int(value)
+
+
 def check_nonneg_int(value, name: str) -> int:
     """Return ``value`` as an ``int`` if it is a non-negative integer, else raise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be a non-negative integer; got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer; got {value!r}")
-    return int(value)
+    return check_int(value, name, minimum=0)
 
 
 def check_positive_int(value, name: str) -> int:
     """Return ``value`` as an ``int`` if it is a positive integer, else raise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be a positive integer; got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    return int(value)
+    return check_int(value, name, minimum=1)
+
+
+def shape_error(what: str, **arrays) -> ValueError:
+    """``ValueError(what; got name.shape=..., ...)`` for arrays whose shapes do not fit."""
+    given = ", ".join(f"{name}.shape={tuple(a.shape)}" for name, a in arrays.items())
+    return ValueError(f"{what}; got {given}")
+
+
+def check_query_key_value(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, *, masked_hint: str = MASKED_ARRAY_HINT
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Query, key and value as floating arrays ``(..., T, Dk)``, ``(..., S, Dk)``, ``(..., S, Dv)``.
+
+    Checks what every attention function needs: real arrays of at least two dimensions, one
+    ``Dk`` shared by query and key, one ``S`` shared by key and value. Leading dimensions are
+    left to the caller (their rules differ: heads, groups, batch).
+    """
+    q = as_float_array(query, "query", masked_hint=masked_hint)
+    k = as_float_array(key, "key", masked_hint=masked_hint)
+    v = as_float_array(value, "value", masked_hint=masked_hint)
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dimensions (..., L, D); got {name}.shape={a.shape}"
+            )
+    if q.shape[-1] != k.shape[-1]:
+        raise shape_error("query and key must share the last dimension Dk", query=q, key=k)
+    if k.shape[-2] != v.shape[-2]:
+        raise shape_error("key and value must share the sequence length S (axis -2)", key=k, value=v)
+    return q, k, v
 
 
 def check_alignment(alignment, name: str = "causal_alignment") -> str:

@@ -14,7 +14,7 @@ Given the upstream gradient ``dO = dL/dO`` the chain rule gives, line by line,
 ``D`` is the softmax's correction term: ``rowsum(P * dP) = rowsum(dO * (P V)) = rowsum(dO * O)``,
 so it needs the output, not the ``(T, S)`` matrices.
 
-Two implementations share one validation step (:func:`sdpa.attention.prepare_attention`, the
+Two implementations share one validation step (:func:`sdpa.problem.prepare_attention`, the
 same as the forward pass, so every argument means exactly what it means there):
 
 * :func:`backward_reference` builds the whole ``(T, S)`` weight matrix, one formula per line;
@@ -28,23 +28,24 @@ Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``T`` quer
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import attention as _attention
-from . import tiled as _tiled
 from ._checks import ATTENTION_MASK_HINT, as_float_array, check_positive_int, check_range
-from .attention import (
+from .attention import attention_reference
+from .cost_model import worth_tiling
+from .problem import (
     AttentionProblem,
-    check_overflow,
-    combined_allowed,
+    allowed_block,
+    masked_scores,
     overflow_checked,
     poisoned_rows,
     prepare_attention,
 )
+from .threads import default_num_threads, run_in_threads
+from .tiled import attention_tiled
 
 __all__ = ["scaled_dot_product_attention_backward"]
 
@@ -52,7 +53,7 @@ IMPLEMENTATIONS = ("auto", "reference", "tiled")
 
 # Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, half the 512 KiB level-2
 # cache of one core of the machine they were chosen on (AMD EPYC, Zen 3). "auto" tiles exactly
-# when the forward pass would (sdpa.tiled.worth_tiling, its cost model of both paths).
+# when the forward pass would (sdpa.cost_model.worth_tiling, its cost model of both paths).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
 
@@ -128,17 +129,6 @@ def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return x
 
 
-def _block(mask: np.ndarray | None, t0: int, t1: int, s0: int, s1: int) -> np.ndarray | None:
-    """Rows ``t0:t1`` and columns ``s0:s1`` of a mask that may be broadcast along either axis."""
-    if mask is None:
-        return None
-    if mask.shape[-1] != 1:
-        mask = mask[..., s0:s1]
-    if mask.ndim >= 2 and mask.shape[-2] != 1:
-        mask = mask[..., t0:t1, :]
-    return mask
-
-
 def _weights_from_lse(scores: np.ndarray, lse: np.ndarray) -> np.ndarray:
     """``P = exp(scores - lse)``; rows with ``lse = -inf`` (fully masked) give zeros, not NaN."""
     shift = np.where(np.isneginf(lse), 0, lse).astype(scores.dtype, copy=False)
@@ -155,25 +145,6 @@ def _inexact_lse(lse: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # The two implementations (on a prepared problem, in the working dtype, grouped shapes)
 # --------------------------------------------------------------------------------------------
-
-
-def _raw_scores(problem: AttentionProblem, q_scaled, k, t0, t1, s0, s1):
-    """``scale * q k^T + bias`` on queries ``t0:t1`` and keys ``s0:s1``, checked for overflow
-    when that is possible, and with disallowed entries set to ``-inf``."""
-    bias = _block(problem.bias, t0, t1, s0, s1)
-    with overflow_checked(problem):  # an overflow is an error raised below, not a warning
-        scores = q_scaled[..., t0:t1, :] @ np.swapaxes(k[..., s0:s1, :], -1, -2)  # (..., Bq, Bk)
-        if bias is not None:
-            scores = scores + bias
-    allowed = _block(problem.allowed, t0, t1, s0, s1)
-    band = problem.band_mask(t0, t1, s0, s1)
-    if band is not None:
-        allowed = band if allowed is None else allowed & band
-    if problem.may_overflow:
-        check_overflow(problem, scores, allowed, bias)
-    if allowed is not None:
-        scores = np.where(allowed, scores, problem.work_dtype.type(-np.inf))
-    return scores
 
 
 def backward_reference(
@@ -193,13 +164,13 @@ def backward_reference(
     q, k, v = problem.query, problem.key, problem.value
     scale = problem.work_dtype.type(problem.scale)
     if out is None:
-        out, weights, lse = _attention.attention_reference(problem, mark=False)
+        out, weights, lse = attention_reference(problem, mark=False)
     elif _inexact_lse(lse).any():
-        weights = _attention.attention_reference(problem, mark=False)[1]
+        weights = attention_reference(problem, mark=False)[1]
     else:
         with overflow_checked(problem):
             q_scaled = q * scale
-        scores = _raw_scores(problem, q_scaled, k, 0, problem.T, 0, problem.S)
+        scores = masked_scores(problem, q_scaled, 0, problem.T, 0, problem.S)
         weights = _weights_from_lse(scores, lse)  # (..., T, S)
     d_v = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
     d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
@@ -246,7 +217,7 @@ def backward_tiled(
     inexact = _inexact_lse(lse)
     if inexact.any():
         if m is None:
-            _, _, m, ell = _tiled.attention_tiled(problem, return_stats=True, mark=False)
+            _, _, m, ell = attention_tiled(problem, return_stats=True, mark=False)
         m = np.broadcast_to(m, (*batch, T))
         ell = np.broadcast_to(ell, (*batch, T))
         shift = np.where(inexact, m, lse)
@@ -273,7 +244,7 @@ def backward_tiled(
             band = problem.band_mask(t0, t1, s0, s1)  # (Bq, Bk) or None
             if band is not None and not band.any():
                 continue  # the whole tile is outside the causal/window band
-            scores = _raw_scores(problem, q_scaled, k, t0, t1, s0, s1)  # (*batch, Bq, Bk)
+            scores = masked_scores(problem, q_scaled, t0, t1, s0, s1)  # (*batch, Bq, Bk)
             p = scores - shift[..., t0:t1, None]
             np.exp(p, out=p)  # P recomputed from lse: no (T, S) matrix is ever stored
             if inv_l is not None and inexact[..., t0:t1].any():
@@ -312,7 +283,7 @@ def _run_threaded(task, starts, num_threads, d_q_shape, dtype) -> np.ndarray:
                 return d_q
             task(s0, d_q)
 
-    partials = _tiled.run_in_threads([worker] * num_threads)
+    partials = run_in_threads([worker] * num_threads)
     total = partials[0]
     for partial in partials[1:]:
         total += partial
@@ -324,11 +295,6 @@ def _run_threaded(task, starts, num_threads, d_q_shape, dtype) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def _worth_tiling(problem: AttentionProblem) -> bool:
-    """Whether ``implementation="auto"`` tiles: the forward pass's own rule, so both agree."""
-    return _tiled.worth_tiling(problem)
-
-
 def _keys_reached(problem: AttentionProblem, rows: np.ndarray) -> np.ndarray:
     """``(*batch_shape, S)`` bool: keys that at least one of the flagged query ``rows`` may
     attend (boolean mask and band; a float bias never protects a key). In chunks of keys."""
@@ -338,12 +304,9 @@ def _keys_reached(problem: AttentionProblem, rows: np.ndarray) -> np.ndarray:
     for s0 in range(0, S, step):
         s1 = min(S, s0 + step)
         hit = np.broadcast_to(rows[..., None], (*rows.shape, s1 - s0))  # (..., T, c)
-        allowed = _block(problem.allowed, 0, T, s0, s1)
+        allowed = allowed_block(problem, 0, T, s0, s1)
         if allowed is not None:
             hit = hit & allowed
-        band = problem.band_mask(0, T, s0, s1)
-        if band is not None:
-            hit = hit & band
         result[..., s0:s1] = np.any(hit, axis=-2)
     return result
 
@@ -404,11 +367,12 @@ def scaled_dot_product_attention_backward(
         ``"reference"`` holds the whole ``(..., T, S)`` weight matrix; ``"tiled"`` (the
         FlashAttention-2 backward) recomputes it tile by tile from ``lse`` and needs memory
         proportional to ``T + S`` per head; ``"auto"`` tiles exactly when the forward pass
-        would (``sdpa.tiled.worth_tiling``).
+        would (:func:`sdpa.cost_model.worth_tiling`).
     block_q, block_k : int, optional
         Tile sizes ``Bq`` and ``Bk`` of the tiled path (default 128 and 256).
     num_threads : int, optional
-        Worker threads of the tiled path; default: the number of CPUs, at most 2.
+        Worker threads of the tiled path; default: the cores available
+        (:func:`sdpa.threads.default_num_threads`), as for the forward pass.
 
     Returns
     -------
@@ -508,7 +472,7 @@ def scaled_dot_product_attention_backward(
     block_q = DEFAULT_BLOCK_Q if block_q is None else check_positive_int(block_q, "block_q")
     block_k = DEFAULT_BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
     if num_threads is None:
-        num_threads = min(2, os.cpu_count() or 1)
+        num_threads = default_num_threads()
     else:
         num_threads = check_positive_int(num_threads, "num_threads")
     if (out is None) != (lse is None):
@@ -540,13 +504,13 @@ def scaled_dot_product_attention_backward(
     bad_rows.extend(poisoned_rows(problem))  # rows that a non-finite query, key or value reaches
 
     if implementation == "auto":  # the forward pass's rule, so both passes agree
-        implementation = "tiled" if _worth_tiling(problem) else "reference"
+        implementation = "tiled" if worth_tiling(problem) else "reference"
     if implementation == "reference":
         d_q, d_k, d_v = backward_reference(problem, d_out, out, lse)
     else:
         m = ell = None
         if out is None:  # O(T + S) memory per head, like the backward
-            out, lse, m, ell = _tiled.attention_tiled(problem, return_stats=True, mark=False)
+            out, lse, m, ell = attention_tiled(problem, return_stats=True, mark=False)
         out = np.broadcast_to(out, (*full, T, Dv))
         lse = np.broadcast_to(lse, (*full, T))
         d_q, d_k, d_v = backward_tiled(

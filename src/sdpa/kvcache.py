@@ -14,7 +14,6 @@ new tokens, ``Dk`` and ``Dv`` per-head widths.
 
 from __future__ import annotations
 
-from numbers import Integral
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -23,6 +22,7 @@ from ._checks import (
     ATTENTION_MASK_HINT,
     as_float_array,
     check_bool,
+    check_int,
     check_float_dtype,
     check_nonneg_int,
     check_positive_int,
@@ -149,8 +149,7 @@ class KVCache:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _layer(self, layer) -> int:
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, Integral):
-            raise TypeError(f"layer must be an integer; got {layer!r}")
+        layer = check_int(layer, "layer")
         if not 0 <= layer < self.n_layers:
             raise ValueError(
                 f"layer must be in [0, n_layers={self.n_layers}); got layer={layer}"

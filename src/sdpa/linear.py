@@ -28,7 +28,9 @@ from ._checks import (
     check_alignment,
     check_bool,
     check_positive_int,
+    check_query_key_value,
     compute_dtype,
+    shape_error,
 )
 from .masks import alignment_offset
 
@@ -186,30 +188,12 @@ def linear_attention(
     >>> bool(np.allclose(out[0], v[0, 0]))
     True
     """
-    q = as_float_array(query, "query")
-    k = as_float_array(key, "key")
-    v = as_float_array(value, "value")
-    for name, a in (("query", q), ("key", k), ("value", v)):
-        if a.ndim < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dimensions (..., L, D); got {name}.shape={a.shape}"
-            )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"query and key must share the last dimension Dk; got query.shape={q.shape}, "
-            f"key.shape={k.shape}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"key and value must share the sequence length S (axis -2); got key.shape={k.shape}, "
-            f"value.shape={v.shape}"
-        )
+    q, k, v = check_query_key_value(query, key, value)
     try:
         lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except ValueError:
-        raise ValueError(
-            f"the leading dimensions of query, key and value must broadcast; got "
-            f"query.shape={q.shape}, key.shape={k.shape}, value.shape={v.shape}"
+        raise shape_error(
+            "the leading dimensions of query, key and value must broadcast", query=q, key=k, value=v
         ) from None
     is_causal = check_bool(is_causal, "is_causal")
     alignment = check_alignment(causal_alignment)

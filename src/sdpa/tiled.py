@@ -34,10 +34,10 @@ What matters for speed on a CPU, where every NumPy call is a full pass over a ti
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
   entirely inside it are not masked; only the blocks the band's edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
-  share a key/value head folded in, so each key tile is loaded once for the whole group) run in
-  a pool of worker threads while BLAS is held to one thread each (with ``threadpoolctl``):
-  NumPy releases the GIL inside matrix products and ufunc loops, so the threads run in
-  parallel. BLAS's own threading parallelises each small product badly.
+  share a key/value head folded in, so each key tile is loaded once for the whole group) are
+  shared out among threads started for the call (:func:`sdpa.threads.run_in_threads`), with
+  BLAS held to one thread: NumPy releases the GIL inside matrix products and ufunc loops, so
+  the threads run in parallel, and BLAS's own threading parallelises each small product badly.
 
 Shape letters: ``T`` queries, ``S`` keys, ``Dk``/``Dv`` head widths, ``Bq``/``Bk`` tile sizes,
 ``F`` query heads folded into the rows of one tile (``G`` under grouped-query attention).
@@ -45,13 +45,10 @@ Shape letters: ``T`` queries, ``S`` keys, ``Dk``/``Dv`` head widths, ``Bq``/``Bk
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,8 +59,11 @@ from ._checks import (
     check_positive_int,
     check_window,
 )
+from .masks import alignment_offset, band_limits
+from .problem import AttentionProblem, check_overflow, mark_poisoned
+from .threads import default_num_threads, run_in_threads
 
-__all__ = ["tile_map"]
+__all__ = ["BLOCK_K", "BLOCK_ROWS", "TileStats", "attention_tiled", "tile_map"]
 
 # Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core); see
 # benchmarks/tune.py. ``BLOCK_ROWS`` is the number of query rows per tile *after* folding the
@@ -84,22 +84,38 @@ LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 # a product with Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32).
 VALUE_WIDTH_MULTIPLE = 8
 
-# The elementwise exponential of the tiles, NumPy's own. It is the one pass over each tile that no
-# trick removes, and NumPy's exp costs far more than a compiled kernel's vectorised one; the
-# benchmark (benchmarks/run.py, "where the time goes") swaps it for a multiplication to measure
-# that share. Nothing else should touch it.
-_tile_exp = np.exp
-
-
 @dataclass
 class TileStats:
-    """Counters filled by :func:`attention_tiled` when asked (a test and teaching hook)."""
+    """Counters of the work :func:`attention_tiled` did, filled when passed as ``stats``.
 
-    computed: int = 0  # tiles whose scores were computed
-    rescaled: int = 0  # computed tiles that moved the shift m (each unit's first tile, at least)
-    skipped_band: int = 0  # tiles never visited: entirely outside the causal/window band
-    skipped_mask: int = 0  # tiles dropped because the boolean mask disallows all of them
-    per_worker: list = field(default_factory=list)
+    The counts add up over calls, so one ``TileStats`` can total several.
+
+    Attributes
+    ----------
+    units : int
+        Work units run: one block of query rows of one head (with the heads that share its
+        keys folded in).
+    computed : int
+        Tiles whose scores were computed.
+    rescaled : int
+        Computed tiles that moved the shift ``m`` (each unit's first tile, at least).
+    skipped_band : int
+        Tiles never visited: entirely outside the causal/window band.
+    skipped_mask : int
+        Tiles dropped because the boolean mask disallows all of them.
+
+    Examples
+    --------
+    >>> from sdpa.tiled import TileStats
+    >>> TileStats()
+    TileStats(units=0, computed=0, rescaled=0, skipped_band=0, skipped_mask=0)
+    """
+
+    units: int = 0
+    computed: int = 0
+    rescaled: int = 0
+    skipped_band: int = 0
+    skipped_mask: int = 0
 
 
 def _tile_kind(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> int:
@@ -187,8 +203,6 @@ def tile_map(
            [2, 2, 1, 0],
            [2, 2, 2, 1]])
     """
-    from .masks import alignment_offset, band_limits
-
     T = check_nonneg_int(T, "T")
     S = check_nonneg_int(S, "S")
     block_q = check_positive_int(block_q, "block_q")
@@ -204,173 +218,6 @@ def tile_map(
             s0, s1 = b * block_k, min(S, (b + 1) * block_k)
             kinds[a, b] = _tile_kind(t0, t1, s0, s1, offset, lo, hi)
     return kinds
-
-
-# Below this many scores (summed over heads) the reference path is as fast or faster whatever
-# the shapes: the tiled path pays for Python-level loops and thread hand-offs.
-MIN_TILED_SCORES = 1 << 17
-
-# The cost model behind implementation="auto": wall time in microseconds on idle cores.
-# Counting scores alone (the rule until issue 9) sent 20000 heads of 4 x 4 scores to the tiled
-# path, 32 times slower than the reference path: every work unit and every tile costs a fixed
-# amount of Python and NumPy call overhead that small heads cannot amortise. The constants come
-# from `benchmarks/tune.py auto` on the 2-core benchmark machine: single-thread CPU times of
-# both paths over 70 shapes, fitted term by term (CPU time, unlike wall time, stays put while
-# other processes share the machine), then spread over the cores each part runs on: the tiled
-# path's work over its workers, the reference path's products (the term in the head width)
-# over BLAS's threads; its softmax passes run on one core.
-REFERENCE_COST = dict(
-    call=60.0,  # validation and dispatch (estimated: tiny calls' wall time is noise when shared)
-    matrix=0.5,  # per (T, S) matrix: the batched products' loop
-    io=0.001,  # per entry of the inputs read per matrix, (T + S) (Dk + Dv): small products
-    score=0.0064,  # per score: the softmax's passes, one core
-    score_width=0.000015,  # per score and unit of Dk + Dv: the two products, on BLAS's threads
-    masked=0.003,  # per score, with a mask or a band: one more pass
-)
-TILED_COST = dict(
-    call=250.0,  # validation, the plan, starting the worker threads (estimated, as above)
-    unit=95.0,  # per work unit: its first tile and its bookkeeping
-    tile=20.0,  # per further tile (the fit cannot separate it from the unit; a floor)
-    score=0.0037,  # per computed score: exp and the row sums
-    score_width=0.000045,  # per computed score and unit of Dk + Dv: the two products
-)
-
-
-def tiling_geometry(problem, block_q=None, block_k=None) -> tuple[int, int, int, int]:
-    """``(units, tiles, scores, workers)`` that the tiled path would use for ``problem``.
-
-    ``units`` are the independent work units (one block of query rows of one head, with the
-    heads that share keys folded in), ``tiles`` the tiles it computes (those the causal/window
-    band skips are not counted; those a boolean mask turns out to disallow are), ``scores``
-    the entries of those tiles. Computed from the shapes, without touching the data.
-    """
-    bs = problem.batch_shape
-    T, S = problem.T, problem.S
-    F = bs[-1] if _fold_axis(problem) else 1
-    outer = int(np.prod(bs, dtype=np.int64)) // max(F, 1)
-    dtype = problem.work_dtype
-    bq = max(1, BLOCK_ROWS.get(dtype, 128) // F) if block_q is None else block_q
-    bk = BLOCK_K.get(dtype, 512) if block_k is None else block_k
-    t0 = np.arange(0, T, bq, dtype=np.int64)  # the first query of each block
-    t1 = np.minimum(t0 + bq, T)
-    lo, hi = problem.band
-    start = np.zeros_like(t0) if lo is None else np.maximum(0, t0 + problem.offset + lo)
-    stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
-    stop = np.maximum(start, stop)
-    n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
-    units = outer * t0.size
-    tiles = outer * int(n_tiles.sum())
-    scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
-    workers = min(default_workers(), max(units, 1))
-    return units, tiles, scores, workers
-
-
-def estimated_times(problem) -> tuple[float, float]:
-    """``(reference, tiled)``: the cost model's estimate of both paths' wall time, in us."""
-    T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
-    n_matrices = int(np.prod(problem.batch_shape, dtype=np.int64))
-    n_scores = n_matrices * T * S
-    width = Dk + Dv
-    masked = problem.allowed is not None or problem.bias is not None or problem.band != (None, None)
-    r = REFERENCE_COST
-    reference = (
-        r["call"]
-        + n_matrices * (r["matrix"] + r["io"] * (T + S) * width)
-        + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
-    )
-    units, tiles, scores, workers = tiling_geometry(problem)
-    c = TILED_COST
-    work = (
-        c["unit"] * units
-        + c["tile"] * max(0, tiles - units)
-        + scores * (c["score"] + c["score_width"] * width)
-    )
-    return reference, c["call"] + work / workers
-
-
-def worth_tiling(problem) -> bool:
-    """Whether ``implementation="auto"`` should take the tiled path for this problem.
-
-    Never below ``MIN_TILED_SCORES`` scores; above, when the cost model predicts the tiled
-    path to be faster (:func:`estimated_times`), or when the reference path's ``(T, S)``
-    matrices would take more than a quarter of the available memory.
-    """
-    n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
-    if n_scores < MIN_TILED_SCORES:
-        return False
-    reference, tiled = estimated_times(problem)
-    if tiled < reference:
-        return True
-    need = 3 * n_scores * problem.work_dtype.itemsize
-    if need > (1 << 28):  # 256 MiB: worth asking how much memory there is
-        from ._checks import available_memory
-
-        available = available_memory()
-        return available is not None and need > available / 4
-    return False
-
-
-# ----------------------------------------------------------------------------------------
-# Worker threads and BLAS threads
-# ----------------------------------------------------------------------------------------
-
-_controller = None
-_blas_lock = threading.Lock()
-_blas_holders = 0  # calls currently inside single_threaded_blas(), in any thread
-_blas_limiter = None  # the threadpoolctl limiter of the first of them; restored by the last
-
-
-def default_workers() -> int:
-    """Number of cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def single_threaded_blas():
-    """Hold BLAS to one thread for the duration of a call (no-op without threadpoolctl).
-
-    BLAS's thread count is a setting of the whole process, so overlapping calls from several
-    threads share one limit: the first call to enter saves the setting and limits it, the last
-    to leave restores it. (Each call restoring what it saw on entry would leave BLAS at one
-    thread whenever two calls overlap and the first finishes first.)
-    """
-    global _controller, _blas_holders, _blas_limiter
-    with _blas_lock:
-        if _blas_holders == 0:
-            try:
-                from threadpoolctl import ThreadpoolController
-            except ImportError:  # pragma: no cover - threadpoolctl is a dependency
-                ThreadpoolController = None
-            if ThreadpoolController is not None:
-                if _controller is None:
-                    _controller = ThreadpoolController()  # inspecting the libraries is slow
-                _blas_limiter = _controller.limit(limits=1, user_api="blas")
-        _blas_holders += 1
-    try:
-        yield
-    finally:
-        with _blas_lock:
-            _blas_holders -= 1
-            if _blas_holders == 0 and _blas_limiter is not None:
-                _blas_limiter.restore_original_limits()
-                _blas_limiter = None
-
-
-def run_in_threads(tasks: list) -> list:
-    """Run each callable in a thread of its own, with BLAS held to one thread; their results.
-
-    The threads are created for the call rather than kept in a pool. Measured on the 2-core
-    benchmark machine, a pool's idle threads, woken together by the calling thread, often
-    shared one core for the first tens of milliseconds (Linux wakes a thread near its waker
-    and balances the load only later), so a 20 ms problem took 30 to 35 ms; new threads are
-    placed on idle cores at once, and creating them costs well under a millisecond.
-    """
-    with single_threaded_blas(), ThreadPoolExecutor(max_workers=len(tasks)) as pool:
-        futures = [pool.submit(task) for task in tasks]
-        return [f.result() for f in futures]
 
 
 # ----------------------------------------------------------------------------------------
@@ -405,10 +252,11 @@ class _Plan:
     block_k: int
     dtype: np.dtype
     may_overflow: bool  # check every tile's scores for overflow (see attention.check_overflow)
-    problem: object  # the AttentionProblem, for error messages
+    problem: AttentionProblem  # for error messages
+    exp: Callable[..., np.ndarray]  # the tiles' exponential, exp(x, out=x)
 
 
-def _fold_axis(problem) -> bool:
+def _fold_axis(problem: AttentionProblem) -> bool:
     """Fold the last batch axis into the query rows when keys and values do not vary along it."""
     bs = problem.batch_shape
     if not bs or bs[-1] <= 1:
@@ -420,15 +268,30 @@ def _fold_axis(problem) -> bool:
     return True
 
 
-def _make_plan(problem, block_q, block_k, with_stats=False) -> _Plan:
+def tile_plan_sizes(
+    problem: AttentionProblem, block_q: int | None = None, block_k: int | None = None
+) -> tuple[int, int, int]:
+    """``(F, block_q, block_k)``: the heads folded into a tile's rows and the tile sizes.
+
+    The last batch axis is folded into the query rows when keys and values do not vary along
+    it (``F`` of its heads share one key tile); ``block_q`` defaults to about ``BLOCK_ROWS``
+    rows after folding, ``block_k`` to ``BLOCK_K``.
+    """
+    F = problem.batch_shape[-1] if _fold_axis(problem) else 1
+    if block_q is None:
+        block_q = max(1, BLOCK_ROWS.get(problem.work_dtype, 128) // F)
+    if block_k is None:
+        block_k = BLOCK_K.get(problem.work_dtype, 512)
+    return F, int(block_q), int(block_k)
+
+
+def _make_plan(problem: AttentionProblem, block_q, block_k, with_stats=False, exp=np.exp) -> _Plan:
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
     bs = problem.batch_shape
-    fold = _fold_axis(problem)
-    if fold:
-        outer, F = bs[:-1], bs[-1]
-    else:
-        outer, F = bs, 1
+    F, block_q, block_k = tile_plan_sizes(problem, block_q, block_k)
+    fold = F > 1
+    outer = bs[:-1] if fold else bs
 
     def rows_view(a, last):  # broadcast a (..., T, last) array to (*outer, F, T, last)
         full = np.broadcast_to(a, (*bs, T, last))
@@ -451,10 +314,6 @@ def _make_plan(problem, block_q, block_k, with_stats=False) -> _Plan:
         allowed = rows_view(problem.allowed, S)
     if problem.bias is not None:
         bias = rows_view(problem.bias, S)
-    if block_q is None:
-        block_q = max(1, BLOCK_ROWS.get(dtype, 128) // F)
-    if block_k is None:
-        block_k = BLOCK_K.get(dtype, 512)
     lo, hi = problem.band
     return _Plan(
         q=rows_view(problem.query, Dk),
@@ -481,6 +340,7 @@ def _make_plan(problem, block_q, block_k, with_stats=False) -> _Plan:
         dtype=dtype,
         may_overflow=problem.may_overflow,
         problem=problem,
+        exp=exp,
     )
 
 
@@ -583,7 +443,7 @@ class _Worker:
                 # no score exceeds m by more than LAZY_MARGIN (then nothing overflows and
                 # l >= 1), which the tile's row sums, a by-product of the second product, prove.
                 self.scores(s, q, k1[s0:s1], bias_tile, masked, unfolded if any_unfolded else None)
-                _tile_exp(s, out=s)
+                p.exp(s, out=s)
                 np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Wv) -> (rows, Wv)
                 if pv[:, Dv].max() <= LAZY_BOUND:
                     acc += pv  # acc[:, :Dv] += p @ v;  acc[:, Dv] = l += rowsum(p)
@@ -600,7 +460,7 @@ class _Worker:
             m_new = np.where(started, np.maximum(m, r), np.where(meets, r, 0))
             alpha = np.where(started, np.exp(m - m_new), 0)  # exp(-inf) = 0: no overflow
             np.subtract(s, m_new[:, None], out=s)
-            _tile_exp(s, out=s)  # p = exp(scores - m_new), at most 1
+            p.exp(s, out=s)  # p = exp(scores - m_new), at most 1
             np.matmul(s, v1[s0:s1], out=pv)
             acc *= alpha[:, None]
             acc += pv
@@ -643,8 +503,6 @@ class _Worker:
             if unfolded is not None:
                 np.subtract(s, unfolded[:, None], out=s)
             if check:
-                from .attention import check_overflow
-
                 check_overflow(
                     self.plan.problem, s3, None if masked is None else ~masked, bias
                 )
@@ -665,35 +523,83 @@ class _Worker:
 
 
 def attention_tiled(
-    problem,
+    problem: AttentionProblem,
     *,
-    block_q=None,
-    block_k=None,
-    workers=None,
-    stats=None,
-    return_stats=False,
-    mark=True,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
+    stats: TileStats | None = None,
+    return_stats: bool = False,
+    mark: bool = True,
+    exp: Callable[..., np.ndarray] = np.exp,
 ):
-    """The online-softmax tiled path on a prepared problem; returns ``(out, lse)``.
+    """The online-softmax tiled path on a prepared problem.
 
-    ``out`` has the shape ``(*problem.batch_shape, T, Dv)`` and ``lse`` ``(*batch_shape, T)``,
-    both in ``problem.work_dtype`` (the caller casts and ungroups, as for
-    :func:`sdpa.attention.attention_reference`). ``block_q`` is the number of query positions
-    per tile (default: chosen so that a tile holds about ``BLOCK_ROWS`` rows after folding the
-    heads of a group), ``block_k`` the number of keys; ``workers`` the number of threads
-    (default: the cores available). ``stats``, a :class:`TileStats`, receives tile counts.
-    With ``return_stats`` the result is ``(out, lse, m, ell)``: ``lse = m + log(ell)`` in two
-    parts, the shift ``m`` (close to the row maximum) and the row sum ``ell`` at that shift,
-    which the backward pass needs when ``lse`` is too large for its rounding to be negligible.
-    Rows reached by a non-finite input are NaN in ``out`` and ``lse`` (not in ``m``, ``ell``)
-    unless ``mark`` is False (the backward pass marks its own).
+    Parameters
+    ----------
+    problem : AttentionProblem
+        From :func:`sdpa.problem.prepare_attention`.
+    block_q : int, optional
+        Query positions per tile; default: about ``BLOCK_ROWS`` rows after folding the heads
+        that share a key/value head into the rows of one tile.
+    block_k : int, optional
+        Keys per tile; default ``BLOCK_K``.
+    num_threads : int, optional
+        Worker threads; default :func:`sdpa.threads.default_num_threads`.
+    stats : TileStats, optional
+        Receives the counts of work units and of computed, rescaled and skipped tiles.
+    return_stats : bool, default False
+        Also return ``m`` and ``ell``: ``lse = m + log(ell)`` in two parts, the shift ``m``
+        (close to the row maximum) and the row sum ``ell`` at that shift, which the backward
+        pass needs when ``lse`` is too large for its rounding to be negligible.
+    mark : bool, default True
+        Set to NaN the rows of ``out`` and ``lse`` that a non-finite input reaches (not those
+        of ``m`` and ``ell``); the backward pass marks its own.
+    exp : callable, default numpy.exp
+        The elementwise exponential applied to each tile in place, as ``exp(x, out=x)``. The
+        one pass over each tile that no trick removes; the benchmark substitutes a cheaper
+        function to measure its share of the time (the result is then wrong, of course).
+
+    Returns
+    -------
+    out : np.ndarray
+        ``(*problem.batch_shape, T, Dv)`` in ``problem.work_dtype``, grouped heads not merged
+        (:meth:`sdpa.problem.AttentionProblem.finish` does that).
+    lse : np.ndarray
+        ``(*problem.batch_shape, T)``, the log-sum-exp of each row (``-inf`` when fully masked).
+    m, ell : np.ndarray
+        With ``return_stats`` only, of the shape of ``lse``.
+
+    Raises
+    ------
+    TypeError
+        If a tile size or ``num_threads`` is not an integer.
+    ValueError
+        If a tile size or ``num_threads`` is not positive, or a score overflows the working
+        dtype although every input is finite.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import scaled_dot_product_attention
+    >>> from sdpa.problem import prepare_attention
+    >>> from sdpa.tiled import TileStats, attention_tiled
+    >>> x = np.random.default_rng(0).standard_normal((64, 8))  # (T, Dk), T = S = 64
+    >>> problem = prepare_attention(x, x, x, is_causal=True)
+    >>> stats = TileStats()
+    >>> out, lse = attention_tiled(problem, block_q=16, block_k=16, stats=stats)
+    >>> stats.computed, stats.skipped_band  # 4 x 4 tiles: 10 on or below the diagonal
+    (10, 6)
+    >>> reference = scaled_dot_product_attention(x, x, x, is_causal=True, implementation="reference")
+    >>> bool(np.allclose(problem.finish(out), reference, rtol=1e-12, atol=1e-12))
+    True
     """
-    from .attention import mark_poisoned
-
     if block_q is not None:
         block_q = check_positive_int(block_q, "block_q")
     if block_k is not None:
         block_k = check_positive_int(block_k, "block_k")
+    if num_threads is not None:
+        num_threads = check_positive_int(num_threads, "num_threads")
     T, S, Dv = problem.T, problem.S, problem.Dv
     dtype = problem.work_dtype
     if S == 0 or T == 0 or 0 in problem.batch_shape:
@@ -703,7 +609,7 @@ def attention_tiled(
         if mark:
             out, lse, _ = mark_poisoned(problem, out, lse)
         return (out, lse, m, ell) if return_stats else (out, lse)
-    plan = _make_plan(problem, block_q, block_k, with_stats=return_stats)
+    plan = _make_plan(problem, block_q, block_k, with_stats=return_stats, exp=exp)
     outer = plan.out.shape[:-3]
     n_q = -(-T // plan.block_q)
     units = []
@@ -714,21 +620,21 @@ def attention_tiled(
     # Longest first, so the last units to finish are short ones (causal rows vary in length).
     units.sort(key=lambda u: -u[0])
     work = [u[1:] for u in units]
-    n_workers = min(workers or default_workers(), len(work))
+    n_threads = max(1, min(num_threads or default_num_threads(), len(work)))
     counter = itertools.count()
-    workers_ = [_Worker(plan) for _ in range(max(1, n_workers))]
-    if n_workers <= 1:
-        workers_[0].drain(work, counter)
+    workers = [_Worker(plan) for _ in range(n_threads)]
+    if n_threads == 1:
+        workers[0].drain(work, counter)
     else:
-        run_in_threads([functools.partial(w.drain, work, counter) for w in workers_])
+        run_in_threads([functools.partial(w.drain, work, counter) for w in workers])
     if stats is not None:
         n_k = -(-S // plan.block_k)
         total = n_q * n_k * int(np.prod(outer, dtype=np.int64))
-        stats.computed += sum(w.computed for w in workers_)
-        stats.skipped_mask += sum(w.skipped_mask for w in workers_)
-        stats.rescaled += sum(w.rescaled for w in workers_)
+        stats.units += len(work)
+        stats.computed += sum(w.computed for w in workers)
+        stats.skipped_mask += sum(w.skipped_mask for w in workers)
+        stats.rescaled += sum(w.rescaled for w in workers)
         stats.skipped_band += total - sum(u[0] for u in units)
-        stats.per_worker.append([w.computed for w in workers_])
     bs = problem.batch_shape
     out, lse = plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
     if mark:

@@ -1,0 +1,201 @@
+"""The cost model behind ``implementation="auto"``: which path is faster for a problem.
+
+:func:`worth_tiling` is the rule that :func:`sdpa.scaled_dot_product_attention` and its
+backward both follow; :func:`estimated_times` predicts the wall time of the reference path and
+of the tiled path from the shapes alone (scores, head widths, and the number of tiles and work
+units of :func:`tiling_geometry`, each with its fixed cost), with the constants
+``REFERENCE_COST`` and ``TILED_COST`` fitted by ``benchmarks/tune.py auto``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import available_memory
+from .problem import AttentionProblem
+from .threads import default_num_threads
+from .tiled import tile_plan_sizes
+
+__all__ = [
+    "MIN_TILED_SCORES",
+    "REFERENCE_COST",
+    "TILED_COST",
+    "estimated_times",
+    "tiling_geometry",
+    "worth_tiling",
+]
+
+# Below this many scores (summed over heads) the reference path is as fast or faster whatever
+# the shapes: the tiled path pays for Python-level loops and thread hand-offs.
+MIN_TILED_SCORES = 1 << 17
+
+# The cost model behind implementation="auto": wall time in microseconds on idle cores.
+# Counting scores alone (the rule until issue 9) sent 20000 heads of 4 x 4 scores to the tiled
+# path, 32 times slower than the reference path: every work unit and every tile costs a fixed
+# amount of Python and NumPy call overhead that small heads cannot amortise. The constants come
+# from `benchmarks/tune.py auto` on the 2-core benchmark machine: single-thread CPU times of
+# both paths over 70 shapes, fitted term by term (CPU time, unlike wall time, stays put while
+# other processes share the machine), then spread over the cores each part runs on: the tiled
+# path's work over its workers, the reference path's products (the term in the head width)
+# over BLAS's threads; its softmax passes run on one core.
+REFERENCE_COST = dict(
+    call=60.0,  # validation and dispatch (estimated: tiny calls' wall time is noise when shared)
+    matrix=0.5,  # per (T, S) matrix: the batched products' loop
+    io=0.001,  # per entry of the inputs read per matrix, (T + S) (Dk + Dv): small products
+    score=0.0064,  # per score: the softmax's passes, one core
+    score_width=0.000015,  # per score and unit of Dk + Dv: the two products, on BLAS's threads
+    masked=0.003,  # per score, with a mask or a band: one more pass
+)
+TILED_COST = dict(
+    call=250.0,  # validation, the plan, starting the worker threads (estimated, as above)
+    unit=95.0,  # per work unit: its first tile and its bookkeeping
+    tile=20.0,  # per further tile (the fit cannot separate it from the unit; a floor)
+    score=0.0037,  # per computed score: exp and the row sums
+    score_width=0.000045,  # per computed score and unit of Dk + Dv: the two products
+)
+
+
+def tiling_geometry(
+    problem: AttentionProblem, block_q: int | None = None, block_k: int | None = None
+) -> tuple[int, int, int, int]:
+    """The work the tiled path would do for ``problem``, from the shapes alone.
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+        From :func:`sdpa.problem.prepare_attention`.
+    block_q, block_k : int, optional
+        Tile sizes, as in :func:`sdpa.tiled.attention_tiled` (default: its defaults).
+
+    Returns
+    -------
+    units : int
+        Independent work units: one block of query rows of one head, with the heads that
+        share keys folded in.
+    tiles : int
+        Tiles computed: those the causal/window band skips are not counted, those a boolean
+        mask turns out to disallow are.
+    scores : int
+        Entries of those tiles.
+    num_threads : int
+        Threads the tiled path would start (at most one per unit).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.cost_model import tiling_geometry
+    >>> from sdpa.problem import prepare_attention
+    >>> x = np.ones((1000, 8))  # one head, T = S = 1000
+    >>> tiling_geometry(prepare_attention(x, x, x), block_q=250, block_k=500)[:3]
+    (4, 8, 1000000)
+    """
+    T, S = problem.T, problem.S
+    F, bq, bk = tile_plan_sizes(problem, block_q, block_k)
+    outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // max(F, 1)
+    t0 = np.arange(0, T, bq, dtype=np.int64)  # the first query of each block
+    t1 = np.minimum(t0 + bq, T)
+    lo, hi = problem.band
+    start = np.zeros_like(t0) if lo is None else np.maximum(0, t0 + problem.offset + lo)
+    stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
+    stop = np.maximum(start, stop)
+    n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
+    units = outer * t0.size
+    tiles = outer * int(n_tiles.sum())
+    scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
+    num_threads = min(default_num_threads(), max(units, 1))
+    return units, tiles, scores, num_threads
+
+
+def estimated_times(
+    problem: AttentionProblem,
+    *,
+    reference_cost: dict[str, float] | None = None,
+    tiled_cost: dict[str, float] | None = None,
+) -> tuple[float, float]:
+    """The cost model's estimate of both paths' wall time for ``problem``, in microseconds.
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+        From :func:`sdpa.problem.prepare_attention`.
+    reference_cost, tiled_cost : dict, optional
+        The model's constants, with the keys of ``REFERENCE_COST`` and ``TILED_COST`` (the
+        defaults); ``benchmarks/tune.py`` passes fitted ones to compare.
+
+    Returns
+    -------
+    reference, tiled : float
+        Estimated wall times of the reference path and of the tiled path.
+
+    Examples
+    --------
+    Many small heads favour the reference path, a few long ones the tiled path:
+
+    >>> import numpy as np
+    >>> from sdpa.cost_model import estimated_times
+    >>> from sdpa.problem import prepare_attention
+    >>> small = np.ones((20000, 4, 8))
+    >>> reference, tiled = estimated_times(prepare_attention(small, small, small))
+    >>> bool(reference < tiled)
+    True
+    >>> long = np.ones((2, 4096, 64))
+    >>> reference, tiled = estimated_times(prepare_attention(long, long, long))
+    >>> bool(tiled < reference)
+    True
+    """
+    T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
+    n_matrices = int(np.prod(problem.batch_shape, dtype=np.int64))
+    n_scores = n_matrices * T * S
+    width = Dk + Dv
+    masked = problem.allowed is not None or problem.bias is not None or problem.band != (None, None)
+    r = REFERENCE_COST if reference_cost is None else reference_cost
+    reference = (
+        r["call"]
+        + n_matrices * (r["matrix"] + r["io"] * (T + S) * width)
+        + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
+    )
+    units, tiles, scores, num_threads = tiling_geometry(problem)
+    c = TILED_COST if tiled_cost is None else tiled_cost
+    work = (
+        c["unit"] * units
+        + c["tile"] * max(0, tiles - units)
+        + scores * (c["score"] + c["score_width"] * width)
+    )
+    return reference, c["call"] + work / num_threads
+
+
+def worth_tiling(problem: AttentionProblem) -> bool:
+    """Whether ``implementation="auto"`` takes the tiled path for ``problem``.
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+        From :func:`sdpa.problem.prepare_attention`.
+
+    Returns
+    -------
+    bool
+        False below ``MIN_TILED_SCORES`` scores; above, True when the cost model predicts the
+        tiled path to be faster (:func:`estimated_times`), or when the reference path's
+        ``(T, S)`` matrices would take more than a quarter of the available memory.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.cost_model import worth_tiling
+    >>> from sdpa.problem import prepare_attention
+    >>> x = np.ones((64, 8))
+    >>> worth_tiling(prepare_attention(x, x, x))  # 4096 scores: far below the threshold
+    False
+    """
+    n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
+    if n_scores < MIN_TILED_SCORES:
+        return False
+    reference, tiled = estimated_times(problem)
+    if tiled < reference:
+        return True
+    need = 3 * n_scores * problem.work_dtype.itemsize
+    if need > (1 << 28):  # 256 MiB: worth asking how much memory there is
+        available = available_memory()
+        return available is not None and need > available / 4
+    return False
