@@ -942,19 +942,19 @@ def test_reference_path_refuses_what_cannot_fit_in_memory():
 
 @pytest.mark.parametrize("scale", [np.inf, -np.inf, np.nan])
 def test_non_finite_scale_raises(scale):
-    with pytest.raises(ValueError, match=r"scale must be finite; got"):
+    with pytest.raises(ValueError, match=r"scale must be a finite real number or None; got"):
         scaled_dot_product_attention(*q_k_v(), scale=scale)
 
 
 @pytest.mark.parametrize("scale", ["1", True, 1j])
 def test_scale_of_wrong_kind_raises(scale):
-    with pytest.raises(TypeError, match=r"scale must be a real number or None; got"):
+    with pytest.raises(TypeError, match=r"scale must be a finite real number or None; got"):
         scaled_dot_product_attention(*q_k_v(), scale=scale)
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.5, np.nan])
 def test_dropout_outside_unit_interval_raises(p):
-    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]; got"):
+    with pytest.raises(ValueError, match=r"dropout_p must be a real number in \[0, 1\]; got"):
         scaled_dot_product_attention(*q_k_v(), dropout_p=p, rng=np.random.default_rng(0))
 
 

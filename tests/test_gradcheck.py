@@ -111,9 +111,9 @@ def test_errors(rng):
         numerical_gradient(np.sum, np.ma.masked_array(x, [0, 1, 0]))
     with pytest.raises(TypeError, match=r"args\[0\] must be a real array; got dtype complex128"):
         numerical_gradient(np.sum, (x + 1j,))
-    with pytest.raises(ValueError, match="eps must be a positive finite number; got 0.0"):
+    with pytest.raises(ValueError, match="eps must be a positive, finite real number; got 0.0"):
         numerical_gradient(np.sum, (x,), eps=0.0)
-    with pytest.raises(TypeError, match="eps must be a positive real number; got '1e-6'"):
+    with pytest.raises(TypeError, match="eps must be a positive, finite real number; got .1e-6."):
         numerical_gradient(np.sum, (x,), eps="1e-6")
     with pytest.raises(ValueError, match="argnums entry 1 is out of range for 1 argument"):
         numerical_gradient(np.sum, (x,), argnums=1)

@@ -264,12 +264,12 @@ def test_error_feature_widths_differ():
 
 @pytest.mark.parametrize("eps", [-1e-6, float("nan"), float("inf")])
 def test_error_bad_eps(eps):
-    with pytest.raises(ValueError, match="eps must be finite and non-negative"):
+    with pytest.raises(ValueError, match="eps must be a finite, non-negative real number; got"):
         linear_attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), eps=eps)
 
 
 def test_error_eps_not_real():
-    with pytest.raises(TypeError, match="eps must be a real number"):
+    with pytest.raises(TypeError, match="eps must be a finite, non-negative real number; got"):
         linear_attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), eps="small")
 
 

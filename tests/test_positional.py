@@ -100,11 +100,11 @@ def test_negative_size_raises():
 
 @pytest.mark.parametrize("base", ["10000", True, None])
 def test_base_of_wrong_kind_raises(base):
-    with pytest.raises(TypeError, match=r"base must be a real number; got"):
+    with pytest.raises(TypeError, match=r"base must be a finite real number greater than 1; got"):
         sinusoidal_positional_encoding(4, 4, base=base)
 
 
 @pytest.mark.parametrize("base", [1.0, 0.5, -3.0, np.inf, np.nan])
 def test_base_not_above_one_raises(base):
-    with pytest.raises(ValueError, match=r"base must be a finite number greater than 1; got"):
+    with pytest.raises(ValueError, match=r"base must be a finite real number greater than 1; got"):
         sinusoidal_positional_encoding(4, 4, base=base)

@@ -275,13 +275,13 @@ def test_nonfinite_positions_raise():
 
 @pytest.mark.parametrize("base", [1.0, 0.5, -2.0, float("inf")])
 def test_bad_base_value_raises(base):
-    with pytest.raises(ValueError, match="base must be a finite number greater than 1"):
+    with pytest.raises(ValueError, match="base must be a finite real number greater than 1"):
         apply_rotary_embedding(np.zeros((2, 4)), base=base)
 
 
 @pytest.mark.parametrize("base", ["10000", True, None])
 def test_bad_base_kind_raises(base):
-    with pytest.raises(TypeError, match="base must be a real number"):
+    with pytest.raises(TypeError, match="base must be a finite real number greater than 1; got"):
         apply_rotary_embedding(np.zeros((2, 4)), base=base)
 
 

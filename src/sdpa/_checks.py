@@ -23,6 +23,7 @@ __all__ = [
     "check_memory",
     "MEMORY_CHECK_BYTES",
     "check_range",
+    "check_real",
     "range_error",
     "check_window",
     "check_int",
@@ -280,23 +281,30 @@ def check_window(window, name: str = "window") -> tuple[int | None, int | None] 
     return (out[0], out[1])
 
 
+def check_real(value, name: str, expected: str = "a finite real number", valid=math.isfinite) -> float:
+    """Return ``value`` as a ``float`` if it is a real number (not a bool) for which ``valid``
+    holds, else raise.
+
+    The one real-number check: ``TypeError`` for a non-number, ``ValueError`` when ``valid``
+    fails, both with the message ``"{name} must be {expected}; got {value!r}"``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be {expected}; got {value!r}")
+    if not valid(value):
+        raise ValueError(f"{name} must be {expected}; got {value!r}")
+    return float(value)
+
+
 def check_scale(scale, head_dim: int) -> float:
     """Default ``1/sqrt(Dk)`` (1.0 when ``Dk = 0``); otherwise a finite real number."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, Real):
-        raise TypeError(f"scale must be a real number or None; got {scale!r}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite; got {scale!r}")
-    return float(scale)
+    return check_real(scale, "scale", "a finite real number or None")
 
 
 def check_probability(p, name: str) -> float:
-    if isinstance(p, (bool, np.bool_)) or not isinstance(p, Real):
-        raise TypeError(f"{name} must be a real number in [0, 1]; got {p!r}")
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1]; got {p!r}")
-    return float(p)
+    """A real number in ``[0, 1]``."""
+    return check_real(p, name, "a real number in [0, 1]", lambda x: 0.0 <= x <= 1.0)
 
 
 def check_rng(rng, name: str = "rng") -> np.random.Generator:

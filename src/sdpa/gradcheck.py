@@ -14,13 +14,14 @@ the same test as ``torch.autograd.gradcheck``, for functions written in NumPy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from numbers import Integral, Real
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_array, check_bool, check_rng
+from ._checks import as_array, check_bool, check_real, check_rng
 
 __all__ = ["gradcheck", "numerical_gradient"]
 
@@ -31,11 +32,7 @@ def _check_callable(f, name: str) -> None:
 
 
 def _check_eps(eps) -> float:
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, Real):
-        raise TypeError(f"eps must be a positive real number; got {eps!r}")
-    if not (np.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a positive finite number; got {eps!r}")
-    return float(eps)
+    return check_real(eps, "eps", "a positive, finite real number", lambda x: math.isfinite(x) and x > 0)
 
 
 def _as_args(args) -> list[np.ndarray]:
@@ -252,10 +249,7 @@ def gradcheck(
     raise_exception = check_bool(raise_exception, "raise_exception")
     rng = np.random.default_rng(0) if rng is None else check_rng(rng)
     for name, value in (("atol", atol), ("rtol", rtol)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
-            raise TypeError(f"{name} must be a non-negative real number; got {value!r}")
-        if not value >= 0:
-            raise ValueError(f"{name} must be a non-negative real number; got {value!r}")
+        check_real(value, name, "a non-negative real number", lambda x: x >= 0)
     arrays = _as_args(args)
     argnums = _check_argnums(argnums, len(arrays))
     result_shape = np.shape(f(*arrays))

@@ -17,7 +17,6 @@ width of the features ``phi(x)`` (``F = Dk`` for the default map).
 from __future__ import annotations
 
 import math
-from numbers import Real
 from typing import Callable
 
 import numpy as np
@@ -29,6 +28,7 @@ from ._checks import (
     check_bool,
     check_positive_int,
     check_query_key_value,
+    check_real,
     compute_dtype,
     shape_error,
 )
@@ -201,10 +201,7 @@ def linear_attention(
         feature_map = elu_feature_map
     elif not callable(feature_map):
         raise TypeError(f"feature_map must be callable or None; got {type(feature_map).__name__}")
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, Real):
-        raise TypeError(f"eps must be a real number; got {eps!r}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be finite and non-negative; got {eps!r}")
+    eps = check_real(eps, "eps", "a finite, non-negative real number", lambda x: math.isfinite(x) and x >= 0)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
 
     out_dtype, work = compute_dtype(q, k, v)

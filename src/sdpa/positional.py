@@ -8,11 +8,10 @@ of sines and cosines to the token embeddings.
 from __future__ import annotations
 
 import math
-from numbers import Real
 
 import numpy as np
 
-from ._checks import check_nonneg_int
+from ._checks import check_nonneg_int, check_real
 
 __all__ = ["sinusoidal_positional_encoding"]
 
@@ -44,7 +43,7 @@ def sinusoidal_positional_encoding(
     TypeError
         If ``n_positions`` or ``d_model`` is not an integer, or ``base`` is not a real number.
     ValueError
-        If a size is negative or ``base`` is not greater than 1.
+        If a size is negative or ``base`` is not a finite number greater than 1.
 
     Notes
     -----
@@ -65,10 +64,7 @@ def sinusoidal_positional_encoding(
     """
     n_positions = check_nonneg_int(n_positions, "n_positions")
     d_model = check_nonneg_int(d_model, "d_model")
-    if isinstance(base, bool) or not isinstance(base, Real):
-        raise TypeError(f"base must be a real number; got {base!r}")
-    if not (math.isfinite(base) and base > 1):
-        raise ValueError(f"base must be a finite number greater than 1; got {base!r}")
+    base = check_real(base, "base", "a finite real number greater than 1", lambda x: math.isfinite(x) and x > 1)
     positions = np.arange(n_positions, dtype=np.float64)[:, None]  # (P, 1)
     freqs = float(base) ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)  # (ceil(d/2),)
     angles = positions * freqs  # (P, ceil(d/2))

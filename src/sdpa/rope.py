@@ -25,22 +25,26 @@ Shape letters: ``T`` positions (queries or keys), ``Dk`` features per head.
 from __future__ import annotations
 
 import math
-from numbers import Real
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_array, as_float_array, check_bool, check_nonneg_int, compute_dtype
+from ._checks import (
+    as_array,
+    as_float_array,
+    check_bool,
+    check_nonneg_int,
+    check_real,
+    compute_dtype,
+)
 
 __all__ = ["apply_rotary_embedding", "rotary_cos_sin"]
 
 
 def _check_base(base) -> float:
-    if isinstance(base, (bool, np.bool_)) or not isinstance(base, Real):
-        raise TypeError(f"base must be a real number; got {base!r}")
-    if not (math.isfinite(base) and base > 1):
-        raise ValueError(f"base must be a finite number greater than 1; got {base!r}")
-    return float(base)
+    return check_real(
+        base, "base", "a finite real number greater than 1", lambda x: math.isfinite(x) and x > 1
+    )
 
 
 def _check_positions(positions: ArrayLike) -> np.ndarray:
