@@ -9,7 +9,7 @@ SPHINXOPTS  ?= -n -W --keep-going
 PYTEST_ARGS ?=
 HOST        ?= 127.0.0.1
 PORT        ?= 8000
-EXTRAS      ?= test,docs,bench
+EXTRAS      ?= test,docs
 # The benchmark compares with PyTorch at this exact pin (any other spec downloads GBs of CUDA).
 TORCH       ?= torch==2.13.0
 BENCH_OUT   ?= $(BUILDDIR)/bench
@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VPY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $@
 
-venv: $(STAMP) ## create .venv and install sdpa (editable) with its test, docs and bench extras
+venv: $(STAMP) ## create .venv and install sdpa (editable) with its test and docs extras
 
 $(NODE_STAMP): package.json package-lock.json
 	$(NPM) ci --no-audit --no-fund --ignore-scripts

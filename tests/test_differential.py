@@ -33,7 +33,7 @@ from sdpa.tiled import attention_tiled
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# Tolerances of the issue: float64 1e-12, float32 1e-5; float16 results are rounded to float16
+# Tolerances: float64 1e-12, float32 1e-5; float16 results are rounded to float16
 # (a unit in the last place is 2**-11 relative), so they are compared at 4e-3.
 FORWARD_TOL = {
     np.float64: dict(rtol=1e-12, atol=1e-12),

@@ -540,7 +540,7 @@ def test_large_negative_bias_is_as_accurate_as_the_reference_against_torch(
     assert np.abs(til - theirs).max() <= max(2 * error_reference, 10 * floor)
 
 
-def test_the_issue_reproducer(rng):
+def test_left_padding_with_a_finfo_min_bias_matches_the_reference(rng):
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 8, 16)).astype(np.float32)
     k = rng.standard_normal((1, 1200, 16)).astype(np.float32)

@@ -18,7 +18,7 @@ equivalent PyTorch call and says why:
 * a float mask of another floating dtype than the inputs: PyTorch raises, we cast the mask to
   the working dtype;
 * a 1-D ``(S,)`` mask with 4-D inputs: PyTorch 2.13 raises IndexError, we broadcast it by
-  NumPy rules (as the issue asks);
+  NumPy rules, as for every other mask shape;
 * dropout: both are random; ours takes an explicit NumPy generator, so the draws cannot match
   PyTorch's and dropout is tested in test_attention.py instead.
 """

@@ -30,7 +30,7 @@ __all__ = [
 MIN_TILED_SCORES = 1 << 17
 
 # The cost model behind implementation="auto": wall time in microseconds on idle cores.
-# Counting scores alone (the rule until issue 9) sent 20000 heads of 4 x 4 scores to the tiled
+# Counting scores alone (the earlier rule) sent 20000 heads of 4 x 4 scores to the tiled
 # path, 32 times slower than the reference path: every work unit and every tile costs a fixed
 # amount of Python and NumPy call overhead that small heads cannot amortise. The constants come
 # from `benchmarks/tune.py auto` on the 2-core benchmark machine: single-thread CPU times of
