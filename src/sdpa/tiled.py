@@ -72,6 +72,7 @@ BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 256}
 BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 256}
 
 SKIPPED, PARTIAL, FULL = 0, 1, 2  # what the band does to a tile
+_EVERY_KEY = object()  # a tile whose every score the user's boolean mask disallows
 
 # Lazy rescaling: a row keeps its shift m while its scores stay below m + LAZY_MARGIN, so most
 # tiles need neither a row-maximum pass nor a rescaling of the accumulator. A tile is accepted
@@ -353,161 +354,214 @@ FOLD_LIMIT = 64.0
 
 
 class _Worker:
-    """One thread's scratch tiles, allocated once and reused for every work unit it takes."""
+    """One thread's buffers, allocated once and reused for every work unit it takes.
+
+    A work unit is the query rows ``t0:t1`` of the ``F`` folded heads at one outer index:
+    ``rows = F * (t1 - t0)`` rows of scores, walked along their key tiles. :meth:`run` reads
+    top to bottom: start the unit, then for each key tile its mask, the lazy step (accepted
+    when its row sums prove it exact) or else the exact step, and at the end the result.
+    Each step is a small method; the unit's running state lives on the worker meanwhile.
+    """
 
     def __init__(self, plan: _Plan):
-        p = plan
-        rows = p.F * p.block_q
-        bk = min(p.block_k, p.S)
-        self.plan = p
-        self.q = np.empty(rows * (p.Dk + 1), dtype=p.dtype)
-        self.s = np.empty(rows * bk, dtype=p.dtype)  # scores, then exp(scores - m), in place
-        self.pv = np.empty(rows * p.Wv, dtype=p.dtype)
-        self.acc = np.empty(rows * p.Wv, dtype=p.dtype)
-        self.m = np.empty(rows, dtype=p.dtype)
-        self.unfolded = np.empty(rows, dtype=p.dtype)
-        self.masked = np.empty(rows * bk, dtype=bool) if p.allowed is not None else None
+        rows = plan.F * plan.block_q
+        bk = min(plan.block_k, plan.S)
+        dtype = plan.dtype
+        self.plan = plan
+        # One buffer per stage of a tile (flat, viewed at each unit's size):
+        self.q_shifted_buf = np.empty(rows * (plan.Dk + 1), dtype)  # [query * scale | -m]
+        self.scores_buf = np.empty(rows * bk, dtype)  # scores, then exp(scores - m) in place
+        self.disallowed_buf = np.empty(rows * bk, bool) if plan.allowed is not None else None
+        self.tile_sums_buf = np.empty(rows * plan.Wv, dtype)  # exp(scores - m) @ [v | 1]
+        self.acc_buf = np.empty(rows * plan.Wv, dtype)  # running [sum exp(...) v | l]
+        self.m_buf = np.empty(rows, dtype)  # running shift of each row
+        self.unfolded_buf = np.empty(rows, dtype)  # m of the rows whose shift is not folded in
         self.band_cache: dict = {}
         self.computed = 0
         self.skipped_mask = 0
         self.rescaled = 0
 
-    def band_masked(self, t0, t1, s0, s1):
-        """Boolean (t1-t0, s1-s0) tile, True where the band *disallows*; cached by geometry."""
-        p = self.plan
+    # -- one work unit ---------------------------------------------------------------------
+
+    def run(self, o: tuple, t0: int, t1: int) -> None:
+        """Attention for the query rows ``t0:t1`` of every folded head at outer index ``o``."""
+        plan = self.plan
+        self.start_unit(o, t0, t1)
+        first, stop = _key_block_range(t0, t1, plan.S, plan.block_k, plan.offset, plan.lo, plan.hi)
+        key_start, key_stop = _band_keys(t0, t1, plan.S, plan.offset, plan.lo, plan.hi)
+        for b in range(first, stop):
+            # The tile's keys, trimmed to the keys the band allows to some query of the block
+            # (under a causal mask the last tile of a row of tiles stops at the diagonal).
+            s0 = max(b * plan.block_k, key_start)
+            s1 = min((b + 1) * plan.block_k, key_stop)
+            disallowed = self.tile_disallowed(t0, t1, s0, s1)
+            if disallowed is _EVERY_KEY:
+                self.skipped_mask += 1
+                continue
+            self.computed += 1
+            if self.all_started and not plan.may_overflow and self.lazy_step(s0, s1, disallowed):
+                continue
+            self.exact_step(s0, s1, disallowed)
+        self.write_result(o, t0, t1)
+
+    def start_unit(self, o: tuple, t0: int, t1: int) -> None:
+        """Views of the unit's inputs and buffers; the running state at its initial values."""
+        plan = self.plan
+        F, Dk, bq = plan.F, plan.Dk, t1 - t0
+        rows = F * bq
+        self.rows, self.t0, self.t1 = rows, t0, t1
+        # q_shifted = [query * scale | -m]: (rows, Dk + 1), the folded heads' rows one under
+        # the other. Against keys with a column of ones, [k | 1], one product gives the scores
+        # minus the running shift m, so no separate pass subtracts it.
+        self.q_shifted = self.q_shifted_buf[: rows * (Dk + 1)].reshape(rows, Dk + 1)
+        np.multiply(
+            plan.q[o][:, t0:t1, :], plan.scale, out=self.q_shifted.reshape(F, bq, Dk + 1)[..., :Dk]
+        )
+        self.folded = self.q_shifted[:, Dk]  # -m for the rows whose shift is folded in, else 0
+        self.folded.fill(0)
+        self.k1, self.v1 = plan.k1[o], plan.v1[o]  # (S, Dk + 1), (S, Wv)
+        self.allowed = None if plan.allowed is None else plan.allowed[o]  # (F, T, S)
+        self.bias = None if plan.bias is None else plan.bias[o]  # (F, T, S)
+        self.m = self.m_buf[:rows]  # the shift of each row; 0 until it has met an allowed key
+        self.m.fill(0)
+        self.unfolded = self.unfolded_buf[:rows]  # m for the rows not folded in, else 0
+        self.unfolded.fill(0)
+        self.any_unfolded = False
+        self.started = np.zeros(rows, dtype=bool)  # rows that have met an allowed key
+        self.all_started = False
+        self.acc = self.acc_buf[: rows * plan.Wv].reshape(rows, plan.Wv)
+        self.acc.fill(0)
+        self.tile_sums = self.tile_sums_buf[: rows * plan.Wv].reshape(rows, plan.Wv)
+
+    # -- once per tile ---------------------------------------------------------------------
+
+    def tile_disallowed(self, t0: int, t1: int, s0: int, s1: int):
+        """``(F, bq, bk)`` bool, True where the tile's scores are disallowed; None if none is;
+        ``_EVERY_KEY`` if the user's mask disallows the whole tile (it is then skipped)."""
+        plan = self.plan
+        kind = _tile_kind(t0, t1, s0, s1, plan.offset, plan.lo, plan.hi)
+        assert kind != SKIPPED, "the key-block range holds only tiles the band touches"
+        if self.allowed is None:
+            return self.band_disallowed(t0, t1, s0, s1) if kind == PARTIAL else None
+        disallowed = self.disallowed_buf[: self.rows * (s1 - s0)].reshape(plan.F, t1 - t0, s1 - s0)
+        np.logical_not(self.allowed[:, t0:t1, s0:s1], out=disallowed)
+        if kind == PARTIAL:
+            np.logical_or(disallowed, self.band_disallowed(t0, t1, s0, s1), out=disallowed)
+        return _EVERY_KEY if disallowed.all() else disallowed
+
+    def band_disallowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
+        """Boolean ``(t1-t0, s1-s0)`` tile, True where the band disallows; cached by geometry."""
+        plan = self.plan
         key = (s0 - t0, t1 - t0, s1 - s0)
         tile = self.band_cache.get(key)
         if tile is None:
-            diff = np.arange(s0, s1)[None, :] - (np.arange(t0, t1)[:, None] + p.offset)
+            diff = np.arange(s0, s1)[None, :] - (np.arange(t0, t1)[:, None] + plan.offset)
             tile = np.zeros(diff.shape, dtype=bool)
-            if p.lo is not None:
-                tile |= diff < p.lo
-            if p.hi is not None:
-                tile |= diff > p.hi
+            if plan.lo is not None:
+                tile |= diff < plan.lo
+            if plan.hi is not None:
+                tile |= diff > plan.hi
             if len(self.band_cache) > 64:
                 self.band_cache.clear()
             self.band_cache[key] = tile
         return tile
 
-    def run(self, o: tuple, t0: int, t1: int) -> None:
-        """Attention for the query rows ``t0:t1`` of every folded head at outer index ``o``."""
-        p = self.plan
-        F, Dk, Dv, bq = p.F, p.Dk, p.Dv, t1 - t0
-        rows = F * bq
-        # q = [query * scale | -m]: (rows, Dk + 1), the folded heads' rows one under the other.
-        # Against keys with a column of ones, [k | 1], one product gives the scores minus the
-        # running shift m, so no separate pass subtracts it.
-        q = self.q[: rows * (Dk + 1)].reshape(rows, Dk + 1)
-        np.multiply(p.q[o][:, t0:t1, :], p.scale, out=q.reshape(F, bq, Dk + 1)[..., :Dk])
-        folded = q[:, Dk]  # -m for the rows whose shift is folded in, 0 for the others
-        folded.fill(0)
-        k1, v1 = p.k1[o], p.v1[o]  # (S, Dk + 1), (S, Wv)
-        allowed = None if p.allowed is None else p.allowed[o]
-        bias = None if p.bias is None else p.bias[o]
-        m = self.m[:rows]  # the shift of each row; 0 until the row has met an allowed key
-        m.fill(0)
-        unfolded = self.unfolded[:rows]  # m for the rows whose shift is not folded in, else 0
-        unfolded.fill(0)
-        any_unfolded = False
-        started = np.zeros(rows, dtype=bool)  # rows that have met an allowed key
-        all_started = False
-        acc = self.acc[: rows * p.Wv].reshape(rows, p.Wv)
-        pv = self.pv[: rows * p.Wv].reshape(rows, p.Wv)
-        acc.fill(0)
-        first, stop = _key_block_range(t0, t1, p.S, p.block_k, p.offset, p.lo, p.hi)
-        key_start, key_stop = _band_keys(t0, t1, p.S, p.offset, p.lo, p.hi)
-        for b in range(first, stop):
-            # The tile's keys, trimmed to the keys the band allows to some query of the block
-            # (under a causal mask the last tile of a row of tiles stops at the diagonal).
-            s0 = max(b * p.block_k, key_start)
-            s1 = min((b + 1) * p.block_k, key_stop)
-            bk = s1 - s0
-            kind = _tile_kind(t0, t1, s0, s1, p.offset, p.lo, p.hi)
-            assert kind != SKIPPED, "the key-block range holds only tiles the band touches"
-            masked = None
-            if allowed is not None:
-                masked = self.masked[: rows * bk].reshape(F, bq, bk)
-                np.logical_not(allowed[:, t0:t1, s0:s1], out=masked)
-                if kind == PARTIAL:
-                    np.logical_or(masked, self.band_masked(t0, t1, s0, s1), out=masked)
-                if masked.all():  # the user's mask disallows the whole tile
-                    self.skipped_mask += 1
-                    continue
-            elif kind == PARTIAL:
-                masked = self.band_masked(t0, t1, s0, s1)
-            self.computed += 1
-            s = self.s[: rows * bk].reshape(rows, bk)
-            bias_tile = None if bias is None else bias[:, t0:t1, s0:s1]
-            if all_started and not p.may_overflow:
-                # The common case: exp(scores - m) at the current shift. It is exact as long as
-                # no score exceeds m by more than LAZY_MARGIN (then nothing overflows and
-                # l >= 1), which the tile's row sums, a by-product of the second product, prove.
-                self.scores(s, q, k1[s0:s1], bias_tile, masked, unfolded if any_unfolded else None)
-                p.exp(s, out=s)
-                np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Wv) -> (rows, Wv)
-                if pv[:, Dv].max() <= LAZY_BOUND:
-                    acc += pv  # acc[:, :Dv] += p @ v;  acc[:, Dv] = l += rowsum(p)
-                    continue
-            # The exact step, the online softmax as written: the raw scores (nothing folded in,
-            # so they are rounded exactly as the reference path rounds them), the new maximum
-            # m_new = max(m, rowmax), the old sums rescaled by alpha = exp(m - m_new). A row
-            # meeting its first allowed key starts at that tile's maximum.
-            self.rescaled += 1
-            folded.fill(0)
-            self.scores(s, q, k1[s0:s1], bias_tile, masked, None, check=p.may_overflow)
-            r = np.max(s, axis=1)  # -inf where nothing is allowed
-            meets = r > -np.inf
-            m_new = np.where(started, np.maximum(m, r), np.where(meets, r, 0))
-            alpha = np.where(started, np.exp(m - m_new), 0)  # exp(-inf) = 0: no overflow
-            np.subtract(s, m_new[:, None], out=s)
-            p.exp(s, out=s)  # p = exp(scores - m_new), at most 1
-            np.matmul(s, v1[s0:s1], out=pv)
-            acc *= alpha[:, None]
-            acc += pv
-            m[:] = m_new
-            small = np.abs(m) <= FOLD_LIMIT  # rows whose shift can be folded in exactly
-            np.negative(m, out=folded)
-            folded[~small] = 0
-            any_unfolded = not small.all()
-            np.copyto(unfolded, m)
-            unfolded[small] = 0
-            started |= meets
-            all_started = bool(started.all())
-        folded.fill(0)
-        # out = acc / l and lse = m + log l; rows that never met an allowed key have l = 0.
-        ell = acc[:, Dv]
-        seen = ell > 0
-        inv = np.zeros(rows, dtype=p.dtype)
-        np.divide(1, ell, out=inv, where=seen)
-        out = p.out[o][:, t0:t1, :]  # (F, bq, Dv) view of the result
-        np.multiply(acc[:, :Dv].reshape(F, bq, Dv), inv.reshape(F, bq, 1), out=out)
-        lse = np.full(rows, -np.inf, dtype=p.dtype)
-        np.log(ell, out=lse, where=seen)
-        np.add(lse, m, out=lse, where=seen)
-        p.lse[o][:, t0:t1] = lse.reshape(F, bq)
-        if p.m is not None:
-            p.m[o][:, t0:t1] = m.reshape(F, bq)
-            p.ell[o][:, t0:t1] = ell.reshape(F, bq)
+    def lazy_step(self, s0: int, s1: int, disallowed) -> bool:
+        """The common case: add the tile at the current shift ``m``; False if it is not exact.
 
-    def scores(self, s, q, k1, bias, masked, unfolded, check=False):
-        """``s = scale * q k^T - folded + bias - unfolded`` on one tile (the shift ``m`` of each
-        row is in ``folded`` or in ``unfolded``), disallowed entries set to ``-inf``.
+        ``exp(scores - m)`` is exact as long as no score exceeds ``m`` by more than
+        ``LAZY_MARGIN`` (then nothing overflows and ``l >= 1``), which the tile's row sums, a
+        by-product of the second product, prove. A tile that fails is redone by
+        :meth:`exact_step`.
+        """
+        plan = self.plan
+        scores = self.scores_buf[: self.rows * (s1 - s0)].reshape(self.rows, s1 - s0)
+        unfolded = self.unfolded if self.any_unfolded else None
+        self.shifted_scores(scores, s0, s1, disallowed, unfolded)
+        plan.exp(scores, out=scores)  # the probabilities, unnormalised: exp(scores - m)
+        np.matmul(scores, self.v1[s0:s1], out=self.tile_sums)  # (rows, bk) @ (bk, Wv)
+        if not self.tile_sums[:, plan.Dv].max() <= LAZY_BOUND:  # (NaN fails too)
+            return False
+        self.acc += self.tile_sums  # acc[:, :Dv] += exp(...) @ v;  acc[:, Dv] = l += rowsum
+        return True
+
+    def exact_step(self, s0: int, s1: int, disallowed) -> None:
+        """The online softmax as written, on the raw scores, moving each row's shift ``m``.
+
+        The raw scores (nothing folded in, so they are rounded exactly as the reference path
+        rounds them) give the new maximum ``m_new = max(m, rowmax)``; the old sums are rescaled
+        by ``alpha = exp(m - m_new)``. A row meeting its first allowed key starts at that
+        tile's maximum. Then the shift is folded into ``q_shifted`` again for the rows where
+        that is exact (``|m| <= FOLD_LIMIT``), and kept in ``unfolded`` for the others.
+        """
+        plan = self.plan
+        self.rescaled += 1
+        m, started = self.m, self.started
+        scores = self.scores_buf[: self.rows * (s1 - s0)].reshape(self.rows, s1 - s0)
+        self.folded.fill(0)
+        self.shifted_scores(scores, s0, s1, disallowed, None, check=plan.may_overflow)
+        row_max = np.max(scores, axis=1)  # -inf where nothing is allowed
+        meets = row_max > -np.inf
+        m_new = np.where(started, np.maximum(m, row_max), np.where(meets, row_max, 0))
+        alpha = np.where(started, np.exp(m - m_new), 0)  # exp(-inf) = 0: no overflow
+        np.subtract(scores, m_new[:, None], out=scores)
+        plan.exp(scores, out=scores)  # exp(scores - m_new), at most 1
+        np.matmul(scores, self.v1[s0:s1], out=self.tile_sums)  # (rows, bk) @ (bk, Wv)
+        self.acc *= alpha[:, None]
+        self.acc += self.tile_sums
+        m[:] = m_new
+        small = np.abs(m) <= FOLD_LIMIT  # rows whose shift can be folded in exactly
+        np.negative(m, out=self.folded)
+        self.folded[~small] = 0
+        self.any_unfolded = not small.all()
+        np.copyto(self.unfolded, m)
+        self.unfolded[small] = 0
+        started |= meets
+        self.all_started = bool(started.all())
+
+    def shifted_scores(self, scores, s0, s1, disallowed, unfolded, check=False) -> None:
+        """``scores = scale * q k^T - folded + bias - unfolded`` on one tile (each row's shift
+        ``m`` is in ``folded`` or in ``unfolded``), disallowed entries set to ``-inf``.
 
         With ``check``, the raw scores (nothing subtracted) are checked for overflow first.
         """
-        np.matmul(q, k1.T, out=s)  # (rows, Dk+1) @ (Dk+1, bk) -> (rows, bk)
-        if bias is not None or masked is not None or unfolded is not None or check:
-            s3 = s.reshape(self.plan.F, -1, s.shape[1])  # (F, bq, bk)
-            if bias is not None:
-                np.add(s3, bias, out=s3)
-            if unfolded is not None:
-                np.subtract(s, unfolded[:, None], out=s)
-            if check:
-                check_overflow(
-                    self.plan.problem, s3, None if masked is None else ~masked, bias
-                )
-            if masked is not None:
-                np.copyto(s3, -np.inf, where=masked)
+        plan = self.plan
+        np.matmul(self.q_shifted, self.k1[s0:s1].T, out=scores)  # (rows, Dk+1) @ (Dk+1, bk)
+        bias = None if self.bias is None else self.bias[:, self.t0 : self.t1, s0:s1]
+        if bias is None and disallowed is None and unfolded is None and not check:
+            return
+        scores3 = scores.reshape(plan.F, -1, scores.shape[1])  # (F, bq, bk)
+        if bias is not None:
+            np.add(scores3, bias, out=scores3)
+        if unfolded is not None:
+            np.subtract(scores, unfolded[:, None], out=scores)
+        if check:
+            allowed = None if disallowed is None else ~disallowed
+            check_overflow(plan.problem, scores3, allowed, bias)
+        if disallowed is not None:
+            np.copyto(scores3, -np.inf, where=disallowed)
+
+    # -- the result ------------------------------------------------------------------------
+
+    def write_result(self, o: tuple, t0: int, t1: int) -> None:
+        """``out = acc / l`` and ``lse = m + log l``; rows that never met an allowed key have
+        ``l = 0``, ``out = 0`` and ``lse = -inf``."""
+        plan = self.plan
+        F, Dv, bq, rows = plan.F, plan.Dv, t1 - t0, self.rows
+        self.folded.fill(0)
+        ell = self.acc[:, Dv]
+        seen = ell > 0
+        inv = np.zeros(rows, dtype=plan.dtype)
+        np.divide(1, ell, out=inv, where=seen)
+        out = plan.out[o][:, t0:t1, :]  # (F, bq, Dv) view of the result
+        np.multiply(self.acc[:, :Dv].reshape(F, bq, Dv), inv.reshape(F, bq, 1), out=out)
+        lse = np.full(rows, -np.inf, dtype=plan.dtype)
+        np.log(ell, out=lse, where=seen)
+        np.add(lse, self.m, out=lse, where=seen)
+        plan.lse[o][:, t0:t1] = lse.reshape(F, bq)
+        if plan.m is not None:
+            plan.m[o][:, t0:t1] = self.m.reshape(F, bq)
+            plan.ell[o][:, t0:t1] = ell.reshape(F, bq)
 
     def drain(self, units, counter) -> None:
         """Take units from the shared list until it is empty."""
