@@ -27,6 +27,7 @@ __all__ = [
 
 # Below this many scores (summed over heads) the reference path is as fast or faster whatever
 # the shapes: the tiled path pays for Python-level loops and thread hand-offs.
+#: Below this many scores (summed over heads) ``"auto"`` never tiles.
 MIN_TILED_SCORES = 1 << 17
 
 # The cost model behind implementation="auto": wall time in microseconds on idle cores.
@@ -38,6 +39,8 @@ MIN_TILED_SCORES = 1 << 17
 # other processes share the machine), then spread over the cores each part runs on: the tiled
 # path's work over its workers, the reference path's products (the term in the head width)
 # over BLAS's threads; its softmax passes run on one core.
+#: The reference path's costs, in microseconds: per call, per ``(T, S)`` matrix, per input
+#: entry, per score, per score and unit of ``Dk + Dv``, per masked score.
 REFERENCE_COST = dict(
     call=60.0,  # validation and dispatch (estimated: tiny calls' wall time is noise when shared)
     matrix=0.5,  # per (T, S) matrix: the batched products' loop
@@ -46,6 +49,8 @@ REFERENCE_COST = dict(
     score_width=0.000015,  # per score and unit of Dk + Dv: the two products, on BLAS's threads
     masked=0.003,  # per score, with a mask or a band: one more pass
 )
+#: The tiled path's costs, in microseconds: per call, per work unit, per further tile, per
+#: computed score, per computed score and unit of ``Dk + Dv``.
 TILED_COST = dict(
     call=250.0,  # validation, the plan, starting the worker threads (estimated, as above)
     unit=95.0,  # per work unit: its first tile and its bookkeeping

@@ -68,7 +68,9 @@ __all__ = ["BLOCK_K", "BLOCK_ROWS", "TileStats", "attention_tiled", "tile_map"]
 # Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core); see
 # benchmarks/tune.py. ``BLOCK_ROWS`` is the number of query rows per tile *after* folding the
 # heads of a group, so the tile of scores is at most BLOCK_ROWS x BLOCK_K.
+#: Default query rows per tile, after folding the heads of a group, by working dtype.
 BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 256}
+#: Default keys per tile, by working dtype.
 BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 256}
 
 SKIPPED, PARTIAL, FULL = 0, 1, 2  # what the band does to a tile
