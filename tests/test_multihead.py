@@ -22,7 +22,7 @@ def softmax_rows(scores):
 def loop_multihead(mha, x_q, x_kv_k, x_kv_v, allowed=None):
     """Explicit per-head loop: head h projects with its own column block and reads the key/value
     block of head h // G; heads are concatenated and projected by W_o."""
-    Hq, Hkv, Dk, Dv = mha.n_heads, mha.n_kv_heads, mha.d_k, mha.d_v
+    Hq, Hkv, Dk, Dv = mha.n_heads, mha.n_kv_heads, mha.head_dim, mha.value_dim
     G = Hq // Hkv
     zero = lambda n: np.zeros(n)  # noqa: E731
     b_q = mha.b_q if mha.b_q is not None else zero(Hq * Dk)
@@ -113,7 +113,7 @@ def test_cross_attention_with_other_widths_matches_loop(n_kv_heads, rng):
         b_q=rng.standard_normal(Hq * Dk), b_k=rng.standard_normal(n_kv_heads * Dk),
         b_v=rng.standard_normal(n_kv_heads * Dv), b_o=rng.standard_normal(E_out),
     )
-    assert (mha.d_k, mha.d_v) == (Dk, Dv)
+    assert (mha.head_dim, mha.value_dim) == (Dk, Dv)
     x_q = rng.standard_normal((B, T, E))
     x_k, x_v = rng.standard_normal((B, S, Ek)), rng.standard_normal((B, S, Ev))
     out, weights = mha(x_q, x_k, x_v, return_weights=True)
@@ -184,9 +184,9 @@ def test_random_is_reproducible_and_has_glorot_shapes():
     assert a.b_q is None
 
 
-def test_random_with_bias_and_d_k_and_dtype():
+def test_random_with_bias_and_head_dim_and_dtype():
     mha = MultiHeadAttention.random(
-        10, 2, d_k=3, bias=True, rng=np.random.default_rng(1), dtype=np.float32
+        10, 2, head_dim=3, bias=True, rng=np.random.default_rng(1), dtype=np.float32
     )
     assert mha.W_q.shape == (10, 6) and mha.W_o.shape == (6, 10)
     assert mha.W_q.dtype == np.float32
@@ -197,7 +197,10 @@ def test_random_with_bias_and_d_k_and_dtype():
 
 def test_repr_names_the_sizes(rng):
     text = repr(MultiHeadAttention.random(16, 4, n_kv_heads=2, rng=rng))
-    assert text == "MultiHeadAttention(E=16, n_heads=4, n_kv_heads=2, d_k=4, d_v=4, bias=False)"
+    assert text == (
+        "MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, value_dim=4, "
+        "bias=False)"
+    )
 
 
 # --- errors: one test per raise -------------------------------------------------------------------
@@ -324,7 +327,7 @@ def test_input_width_must_match_projection(which):
 
 
 def test_random_needs_n_heads_dividing_d_model():
-    with pytest.raises(ValueError, match=r"n_heads=5 must divide d_model=12 when d_k is not given"):
+    with pytest.raises(ValueError, match=r"n_heads=5 must divide d_model=12 when head_dim is not given"):
         MultiHeadAttention.random(12, 5, rng=np.random.default_rng(0))
 
 
@@ -355,3 +358,26 @@ def test_call_flags_and_rng_are_validated():
         mha(x, return_weights="no")
     with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator"):
         mha(x, rng=1)
+
+
+# -- deprecated names (kept for one release) ---------------------------------------------
+
+
+def test_d_k_is_a_deprecated_alias_of_head_dim():
+    rng = np.random.default_rng(1)
+    with pytest.warns(DeprecationWarning, match="d_k is deprecated .* use head_dim"):
+        old = MultiHeadAttention.random(10, 2, d_k=3, rng=rng)
+    assert old.W_q.shape == (10, 2 * 3)  # 2 heads of width 3, as head_dim=3 gives
+    assert old.head_dim == 3
+
+
+def test_d_k_and_head_dim_together_are_an_error():
+    with pytest.raises(TypeError, match="head_dim and its deprecated name d_k were both given"):
+        MultiHeadAttention.random(10, 2, head_dim=3, d_k=3, rng=np.random.default_rng(1))
+
+
+@pytest.mark.parametrize("old, new", [("d_k", "head_dim"), ("d_v", "value_dim")])
+def test_deprecated_width_attributes(old, new):
+    mha = MultiHeadAttention.random(12, 4, head_dim=5, rng=np.random.default_rng(0))
+    with pytest.warns(DeprecationWarning, match=f"MultiHeadAttention.{old} is deprecated .* use {new}"):
+        assert getattr(mha, old) == 5

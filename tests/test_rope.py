@@ -290,12 +290,29 @@ def test_non_bool_interleaved_raises():
         apply_rotary_embedding(np.zeros((2, 4)), interleaved="yes")
 
 
-def test_cos_sin_odd_dim_raises():
-    with pytest.raises(ValueError, match="dim must be even.*dim=3"):
+def test_cos_sin_odd_head_dim_raises():
+    with pytest.raises(ValueError, match="head_dim must be even.*head_dim=3"):
         rotary_cos_sin(np.arange(3), 3)
 
 
-@pytest.mark.parametrize("dim, exc", [(-2, ValueError), (2.0, TypeError)])
-def test_cos_sin_bad_dim_raises(dim, exc):
-    with pytest.raises(exc, match="dim must be a non-negative integer"):
-        rotary_cos_sin(np.arange(3), dim)
+@pytest.mark.parametrize("head_dim, exc", [(-2, ValueError), (2.0, TypeError)])
+def test_cos_sin_bad_head_dim_raises(head_dim, exc):
+    with pytest.raises(exc, match="head_dim must be a non-negative integer"):
+        rotary_cos_sin(np.arange(3), head_dim)
+
+
+def test_cos_sin_missing_head_dim_raises():
+    with pytest.raises(TypeError, match="head_dim must be given"):
+        rotary_cos_sin(np.arange(3))
+
+
+def test_cos_sin_dim_is_a_deprecated_alias_of_head_dim():
+    with pytest.warns(DeprecationWarning, match="dim is deprecated .* use head_dim"):
+        cos, sin = rotary_cos_sin([0, 1, 3], dim=4, base=100.0)
+    # theta = (1, 1/10), by hand: the angles p * theta of positions 0, 1, 3
+    np.testing.assert_allclose(cos, np.cos([[0, 0], [1, 0.1], [3, 0.3]]), rtol=1e-15)
+
+
+def test_cos_sin_dim_and_head_dim_together_raise():
+    with pytest.raises(TypeError, match="head_dim and its deprecated name dim were both given"):
+        rotary_cos_sin(np.arange(3), 4, dim=4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from numbers import Integral, Real
 
 import numpy as np
@@ -31,6 +32,8 @@ __all__ = [
     "check_positive_int",
     "check_query_key_value",
     "shape_error",
+    "deprecated_name",
+    "renamed_keyword",
 ]
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -322,3 +325,32 @@ def check_axis(x: np.ndarray, axis, name: str = "axis") -> int:
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{name}={axis} is out of range for an array of shape {x.shape}")
     return int(axis) % x.ndim
+
+
+def deprecated_name(old: str, new: str) -> None:
+    """Warn that ``old`` is a deprecated name of ``new`` (kept for one release)."""
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def renamed_keyword(value, old_value, name: str, old_name: str):
+    """The value of keyword ``name``, also accepted under its deprecated name ``old_name``.
+
+    Passing the old name warns (``DeprecationWarning``); passing both is a ``TypeError``.
+    """
+    if old_value is None:
+        return value
+    if value is not None:
+        raise TypeError(
+            f"{name} and its deprecated name {old_name} were both given; pass {name} only; "
+            f"got {name}={value!r}, {old_name}={old_value!r}"
+        )
+    warnings.warn(
+        f"{old_name} is deprecated and will be removed in the next release; use {name}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value

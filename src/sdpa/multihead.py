@@ -24,6 +24,8 @@ from ._checks import (
     check_float_dtype,
     check_nonneg_int,
     check_rng,
+    deprecated_name,
+    renamed_keyword,
 )
 from .attention import scaled_dot_product_attention
 
@@ -199,21 +201,39 @@ class MultiHeadAttention:
             raise ValueError(
                 f"W_q must have Hq * Dk columns with Hq=n_heads={n_heads}; got W_q.shape={W_q.shape}"
             )
-        d_k = W_q.shape[1] // n_heads
-        W_k = _check_matrix(W_k, "W_k", cols=n_kv_heads * d_k)
+        head_dim = W_q.shape[1] // n_heads
+        W_k = _check_matrix(W_k, "W_k", cols=n_kv_heads * head_dim)
         W_v = _check_matrix(W_v, "W_v")
         if W_v.shape[1] % n_kv_heads:
             raise ValueError(
                 f"W_v must have Hkv * Dv columns with Hkv={n_kv_heads}; got W_v.shape={W_v.shape}"
             )
-        d_v = W_v.shape[1] // n_kv_heads
-        W_o = _check_matrix(W_o, "W_o", rows=n_heads * d_v)
+        value_dim = W_v.shape[1] // n_kv_heads
+        W_o = _check_matrix(W_o, "W_o", rows=n_heads * value_dim)
         self.W_q, self.W_k, self.W_v, self.W_o = W_q, W_k, W_v, W_o
         self.b_q = _check_bias(b_q, "b_q", W_q.shape[1])
         self.b_k = _check_bias(b_k, "b_k", W_k.shape[1])
         self.b_v = _check_bias(b_v, "b_v", W_v.shape[1])
         self.b_o = _check_bias(b_o, "b_o", W_o.shape[1])
-        self.n_heads, self.n_kv_heads, self.d_k, self.d_v = n_heads, n_kv_heads, d_k, d_v
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim, self.value_dim = head_dim, value_dim
+
+    @property
+    def d_model(self) -> int:
+        """``E``, the width of inputs and outputs."""
+        return self.W_q.shape[0]
+
+    @property
+    def d_k(self) -> int:
+        """Deprecated name of :attr:`head_dim`."""
+        deprecated_name("MultiHeadAttention.d_k", "head_dim")
+        return self.head_dim
+
+    @property
+    def d_v(self) -> int:
+        """Deprecated name of :attr:`value_dim`."""
+        deprecated_name("MultiHeadAttention.d_v", "value_dim")
+        return self.value_dim
 
     @classmethod
     def random(
@@ -222,10 +242,11 @@ class MultiHeadAttention:
         n_heads: int,
         *,
         n_kv_heads: int | None = None,
-        d_k: int | None = None,
+        head_dim: int | None = None,
         bias: bool = False,
         rng: np.random.Generator,
         dtype=np.float64,
+        d_k: int | None = None,
     ) -> "MultiHeadAttention":
         """Glorot-uniform weights (as ``torch.nn.MultiheadAttention``), zero biases.
 
@@ -237,7 +258,7 @@ class MultiHeadAttention:
             ``Hq``.
         n_kv_heads : int, optional
             ``Hkv``; defaults to ``n_heads``.
-        d_k : int, optional
+        head_dim : int, optional
             Per-head width ``Dk = Dv``; defaults to ``d_model // n_heads``.
         bias : bool, default False
             Include (zero-initialised) biases.
@@ -246,6 +267,9 @@ class MultiHeadAttention:
         dtype : float dtype, default float64
             float16, float32 or float64. Integer dtypes are refused: Glorot weights are below
             one, so they would all round to zero.
+        d_k : int, optional
+            Deprecated name of ``head_dim`` (a ``DeprecationWarning``); to be removed in the
+            next release.
 
         Returns
         -------
@@ -255,10 +279,11 @@ class MultiHeadAttention:
         ------
         TypeError
             If ``rng`` is not a ``numpy.random.Generator``, a size is not an integer, ``bias``
-            is not a bool, or ``dtype`` is not a floating dtype.
+            is not a bool, ``dtype`` is not a floating dtype, or both ``head_dim`` and its
+            deprecated name ``d_k`` are given.
         ValueError
-            If a size is negative, or ``n_heads`` does not divide ``d_model`` when ``d_k`` is
-            not given.
+            If a size is negative, or ``n_heads`` does not divide ``d_model`` when
+            ``head_dim`` is not given.
 
         Examples
         --------
@@ -266,34 +291,35 @@ class MultiHeadAttention:
         >>> from sdpa import MultiHeadAttention
         >>> mqa = MultiHeadAttention.random(12, 4, n_kv_heads=1, rng=np.random.default_rng(0))
         >>> mqa  # multi-query: four query heads share one key/value head
-        MultiHeadAttention(E=12, n_heads=4, n_kv_heads=1, d_k=3, d_v=3, bias=False)
+        MultiHeadAttention(d_model=12, n_heads=4, n_kv_heads=1, head_dim=3, value_dim=3, bias=False)
         >>> mqa.W_q.shape, mqa.W_k.shape, mqa.W_o.shape  # (E, Hq*Dk), (E, Hkv*Dk), (Hq*Dv, E)
         ((12, 12), (12, 3), (12, 12))
         """
+        head_dim = renamed_keyword(head_dim, d_k, "head_dim", "d_k")
         rng = check_rng(rng)
         bias = check_bool(bias, "bias")
         dtype = check_float_dtype(dtype)
         d_model = check_nonneg_int(d_model, "d_model")
         n_heads = check_nonneg_int(n_heads, "n_heads")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if d_k is None:
+        if head_dim is None:
             if n_heads == 0 or d_model % n_heads:
                 raise ValueError(
-                    f"n_heads={n_heads} must divide d_model={d_model} when d_k is not given"
+                    f"n_heads={n_heads} must divide d_model={d_model} when head_dim is not given"
                 )
-            d_k = d_model // n_heads
-        d_k = check_nonneg_int(d_k, "d_k")
+            head_dim = d_model // n_heads
+        head_dim = check_nonneg_int(head_dim, "head_dim")
 
         def glorot(fan_in, fan_out):
             limit = math.sqrt(6.0 / max(fan_in + fan_out, 1))
             return rng.uniform(-limit, limit, size=(fan_in, fan_out)).astype(dtype)
 
-        kv_width = check_nonneg_int(n_kv_heads, "n_kv_heads") * d_k
+        kv_width = check_nonneg_int(n_kv_heads, "n_kv_heads") * head_dim
         weights = dict(
-            W_q=glorot(d_model, n_heads * d_k),
+            W_q=glorot(d_model, n_heads * head_dim),
             W_k=glorot(d_model, kv_width),
             W_v=glorot(d_model, kv_width),
-            W_o=glorot(n_heads * d_k, d_model),
+            W_o=glorot(n_heads * head_dim, d_model),
         )
         if bias:
             for name, W in list(weights.items()):
@@ -301,10 +327,10 @@ class MultiHeadAttention:
         return cls(**weights, n_heads=n_heads, n_kv_heads=n_kv_heads)
 
     def __repr__(self) -> str:
-        E = self.W_q.shape[0]
         return (
-            f"MultiHeadAttention(E={E}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-            f"d_k={self.d_k}, d_v={self.d_v}, bias={self.b_q is not None})"
+            f"MultiHeadAttention(d_model={self.d_model}, n_heads={self.n_heads}, "
+            f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, value_dim={self.value_dim}, "
+            f"bias={self.b_q is not None})"
         )
 
     @staticmethod

@@ -36,6 +36,7 @@ from ._checks import (
     check_nonneg_int,
     check_real,
     compute_dtype,
+    renamed_keyword,
 )
 
 __all__ = ["apply_rotary_embedding", "rotary_cos_sin"]
@@ -61,7 +62,7 @@ def _check_positions(positions: ArrayLike) -> np.ndarray:
 
 
 def rotary_cos_sin(
-    positions: ArrayLike, dim: int, *, base: float = 10000.0
+    positions: ArrayLike, head_dim: int | None = None, *, base: float = 10000.0, dim: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     r"""The cosine and sine tables of RoPE: ``cos(p * theta_i)`` and ``sin(p * theta_i)``.
 
@@ -69,10 +70,13 @@ def rotary_cos_sin(
     ----------
     positions : (..., T) array_like of int or float
         Positions ``p`` (token indices; floats allow scaled positions).
-    dim : int
+    head_dim : int
         Even feature width ``Dk`` of the vectors to rotate; there are ``Dk / 2`` frequencies.
     base : float, default 10000.0
         Sets the slowest frequency, :math:`\theta_{Dk/2 - 1} = \text{base}^{-(Dk - 2)/Dk}`.
+    dim : int, optional
+        Deprecated name of ``head_dim`` (a ``DeprecationWarning``); to be removed in the next
+        release.
 
     Returns
     -------
@@ -83,10 +87,11 @@ def rotary_cos_sin(
     Raises
     ------
     TypeError
-        If ``dim`` is not an integer, ``base`` is not a real number, or ``positions`` is not
+        If ``head_dim`` is missing or not an integer, both ``head_dim`` and ``dim`` are
+        given, ``base`` is not a real number, or ``positions`` is not
         an integer or real array.
     ValueError
-        If ``dim`` is negative or odd, ``base`` is not greater than 1, or a position is not
+        If ``head_dim`` is negative or odd, ``base`` is not greater than 1, or a position is not
         finite.
 
     Notes
@@ -107,12 +112,17 @@ def rotary_cos_sin(
            [0.8415, 0.01  ],
            [0.9093, 0.02  ]])
     """
-    dim = check_nonneg_int(dim, "dim")
-    if dim % 2:
-        raise ValueError(f"dim must be even (features rotate in pairs); got dim={dim}")
+    head_dim = renamed_keyword(head_dim, dim, "head_dim", "dim")
+    if head_dim is None:
+        raise TypeError("head_dim must be given: the even width Dk of the vectors to rotate")
+    head_dim = check_nonneg_int(head_dim, "head_dim")
+    if head_dim % 2:
+        raise ValueError(
+            f"head_dim must be even (features rotate in pairs); got head_dim={head_dim}"
+        )
     base = _check_base(base)
     pos = _check_positions(positions)
-    theta = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)  # (Dk/2,)
+    theta = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # (Dk/2,)
     angles = pos[..., None] * theta  # (..., T, 1) * (Dk/2,) -> (..., T, Dk/2)
     return np.cos(angles), np.sin(angles)
 
