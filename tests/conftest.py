@@ -1,11 +1,16 @@
-"""Shared fixtures: a seeded generator, and PyTorch as an optional reference."""
+"""Shared fixtures: a seeded generator, PyTorch as an optional reference, the torch marker."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+# tests/references.py, the independent references, is imported by the tests as `references`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # .ci/run sets this: there, a missing reference implementation is a failure, not a skip.
 REQUIRE_REFERENCES = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"
@@ -32,3 +37,19 @@ def import_torch():
 @pytest.fixture(scope="session")
 def torch():
     return import_torch()
+
+
+def _uses_torch(item) -> bool:
+    """Whether a test reaches PyTorch: through the ``torch`` fixture or by importing it."""
+    if "torch" in getattr(item, "fixturenames", ()):
+        return True
+    function = getattr(item, "function", None)
+    code = getattr(function, "__code__", None)
+    return code is not None and ("import_torch" in code.co_names or "torch" in code.co_names)
+
+
+def pytest_collection_modifyitems(config, items):
+    # The torch marker follows from the code, so that no test that uses PyTorch can lack it.
+    for item in items:
+        if _uses_torch(item) and item.get_closest_marker("torch") is None:
+            item.add_marker(pytest.mark.torch)

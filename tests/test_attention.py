@@ -1,8 +1,8 @@
 """Tests of sdpa.scaled_dot_product_attention.
 
-Four kinds: hand-computed cases; comparison with ``loop_attention``, a float64 reference written
-here with explicit Python loops (it shares no code with the package); properties; and one test
-per error. Sizes are all different (B=2, H=3, T=5, S=7, Dk=11, Dv=4) so that a swapped axis
+Four kinds: hand-computed cases; comparison with ``references.attention_loop``, a float64
+reference written with explicit Python loops (it shares no code with the package); properties;
+and one test per error. Sizes are all different (B=2, H=3, T=5, S=7, Dk=11, Dv=4) so that a swapped axis
 cannot pass.
 """
 
@@ -15,105 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from references import attention_loop, attention_loop_2d
 from sdpa import causal_mask, padding_mask, scaled_dot_product_attention, sliding_window_mask
 
 B, H, T, S, DK, DV = 2, 3, 5, 7, 11, 4
 RAISE_ON_TROUBLE = dict(over="raise", invalid="raise", divide="raise")
 F64 = dict(rtol=1e-12, atol=1e-13)  # float64 against the float64 loop reference
-
-
-# --- the independent reference ------------------------------------------------------------
-
-
-def loop_attention_2d(q, k, v, allowed=None, bias=None, scale=None):
-    """One (T, Dk) x (S, Dk) x (S, Dv) problem with Python loops and math.fsum, in float64.
-
-    ``allowed`` (T, S) bool: False entries are left out of the softmax. ``bias`` (T, S) float:
-    added to the scaled scores. Fully masked rows give out 0, weights 0, lse -inf.
-    """
-    T_, Dk = q.shape
-    S_, Dv = v.shape
-    if scale is None:
-        scale = 1.0 / math.sqrt(Dk) if Dk else 1.0
-    out = np.zeros((T_, Dv))
-    weights = np.zeros((T_, S_))
-    lse = np.full(T_, -np.inf)
-    for i in range(T_):
-        scores = {}
-        for j in range(S_):
-            if allowed is not None and not allowed[i, j]:
-                continue
-            s = scale * math.fsum(float(q[i, d]) * float(k[j, d]) for d in range(Dk))
-            if bias is not None:
-                s += float(bias[i, j])
-            if s != -math.inf:
-                scores[j] = s
-        if not scores:
-            continue
-        m = max(scores.values())
-        e = {j: math.exp(s - m) for j, s in scores.items()}
-        total = math.fsum(e.values())
-        lse[i] = m + math.log(total)
-        for j in e:
-            weights[i, j] = e[j] / total
-        for d in range(Dv):
-            out[i, d] = math.fsum(weights[i, j] * float(v[j, d]) for j in e)
-    return out, weights, lse
-
-
-def loop_band(T_, S_, is_causal, alignment, window):
-    """Explicit loop: the causal/window mask, True = may attend."""
-    o = 0 if alignment == "top_left" else S_ - T_
-    band = np.ones((T_, S_), dtype=bool)
-    for i in range(T_):
-        for j in range(S_):
-            if is_causal and j > i + o:
-                band[i, j] = False
-            if window is not None:
-                left, right = window
-                if left is not None and j < i + o - left:
-                    band[i, j] = False
-                if right is not None and j > i + o + right:
-                    band[i, j] = False
-    return band
-
-
-def loop_attention(q, k, v, attn_mask=None, is_causal=False, *, alignment="top_left",
-                   window=None, scale=None, enable_gqa=False):
-    """The batched reference: broadcast explicitly, then one loop_attention_2d per slice.
-
-    With ``enable_gqa`` query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
-    """
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    T_, S_ = q.shape[-2], k.shape[-2]
-    if enable_gqa:
-        Hq, Hkv = q.shape[-3], k.shape[-3]
-        lead = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-        full = (*lead, Hq)
-        kv_full = (*lead, Hkv)
-        group = Hq // Hkv
-    else:
-        full = kv_full = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-        group = 1
-    qf = np.broadcast_to(q, (*full, T_, q.shape[-1]))
-    kf = np.broadcast_to(k, (*kv_full, S_, k.shape[-1]))
-    vf = np.broadcast_to(v, (*kv_full, S_, v.shape[-1]))
-    band = loop_band(T_, S_, is_causal, alignment, window)
-    mask = None if attn_mask is None else np.broadcast_to(attn_mask, (*full, T_, S_))
-    out = np.zeros((*full, T_, v.shape[-1]))
-    weights = np.zeros((*full, T_, S_))
-    lse = np.zeros((*full, T_))
-    for idx in np.ndindex(*full):
-        kv_idx = (*idx[:-1], idx[-1] // group) if enable_gqa else idx
-        allowed, bias = band, None
-        if mask is not None and mask.dtype == bool:
-            allowed = band & mask[idx]
-        elif mask is not None:
-            bias = mask[idx]
-        out[idx], weights[idx], lse[idx] = loop_attention_2d(
-            qf[idx], kf[kv_idx], vf[kv_idx], allowed, bias, scale
-        )
-    return out, weights, lse
 
 
 def sdpa_all(*args, **kwargs):
@@ -216,7 +123,7 @@ def test_matches_loop_reference(name, rng):
     q_shape, k_shape, v_shape = SHAPES[name]
     q, k, v = randn(rng, *q_shape), randn(rng, *k_shape), randn(rng, *v_shape)
     got = sdpa_all(q, k, v)
-    assert_matches_reference(got, loop_attention(q, k, v))
+    assert_matches_reference(got, attention_loop(q, k, v))
     lead = np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2])
     assert got[0].shape == (*lead, q_shape[-2], v_shape[-1])
 
@@ -228,7 +135,7 @@ def test_matches_loop_reference(name, rng):
 def test_causal_and_window_match_loop_reference(T_, S_, is_causal, window, alignment, rng):
     q, k, v = randn(rng, 2, T_, 3), randn(rng, 2, S_, 3), randn(rng, 2, S_, DV)
     got = sdpa_all(q, k, v, is_causal=is_causal, window=window, causal_alignment=alignment)
-    ref = loop_attention(q, k, v, is_causal=is_causal, window=window, alignment=alignment)
+    ref = attention_loop(q, k, v, is_causal=is_causal, window=window, alignment=alignment)
     assert_matches_reference(got, ref)
 
 
@@ -265,7 +172,7 @@ def test_mask_shapes_match_loop_reference(mask_shape, kind, rng):
     q, k, v = randn(rng, B, H, T, DK), randn(rng, B, H, S, DK), randn(rng, B, H, S, DV)
     mask = random_mask(rng, mask_shape, kind)
     got = sdpa_all(q, k, v, mask)
-    assert_matches_reference(got, loop_attention(q, k, v, mask))
+    assert_matches_reference(got, attention_loop(q, k, v, mask))
 
 
 def test_bool_mask_equals_minus_inf_bias(rng):
@@ -299,7 +206,7 @@ def test_is_causal_combines_with_mask_by_and(rng):
         )
         bias = np.where(mask, rng.standard_normal((H, T, S)), -np.inf)
         got = sdpa_all(q, k, v, bias, is_causal=True, causal_alignment=alignment)
-        ref = loop_attention(q, k, v, bias, is_causal=True, alignment=alignment)
+        ref = attention_loop(q, k, v, bias, is_causal=True, alignment=alignment)
         assert_matches_reference(got, ref)
 
 
@@ -345,7 +252,7 @@ def test_nan_in_a_masked_out_value_does_not_reach_the_output(rng, implementation
     v_nan[4] = np.nan
     mask = np.arange(S) != 4
     out = scaled_dot_product_attention(q, k, v_nan, mask, implementation=implementation)
-    ref = loop_attention_2d(q, np.delete(k, 4, 0), np.delete(v, 4, 0))[0]
+    ref = attention_loop_2d(q, np.delete(k, 4, 0), np.delete(v, 4, 0))[0]
     np.testing.assert_allclose(out, ref, **F64)
 
 
@@ -358,7 +265,7 @@ def test_nan_in_a_value_hidden_by_the_causal_mask(rng, implementation):
     v_nan[3] = np.nan
     out = scaled_dot_product_attention(q, k, v_nan, is_causal=True, implementation=implementation)
     assert np.isnan(out[3]).all()
-    ref = loop_attention(q, k, v, is_causal=True)[0]
+    ref = attention_loop(q, k, v, is_causal=True)[0]
     np.testing.assert_allclose(out[:3], ref[:3], **F64)
 
 
@@ -381,7 +288,7 @@ def test_fully_masked_rows_give_zeros_and_minus_inf(rng):
         others = np.ones((B, T), dtype=bool)
         others[0, 2] = others[1, 0] = False
         np.testing.assert_allclose(w.sum(-1)[others], 1.0, rtol=1e-14)
-    assert_matches_reference((out, weights, lse), loop_attention(q, k, v, mask))
+    assert_matches_reference((out, weights, lse), attention_loop(q, k, v, mask))
 
 
 def test_causal_bottom_right_with_more_queries_than_keys_masks_the_first_rows(rng):
@@ -421,7 +328,7 @@ def test_zero_width_keys_use_scale_one_and_uniform_weights(rng):
     np.testing.assert_allclose(lse, math.log(S), rtol=1e-15)
     # all scores are 0: a float bias alone decides, whatever the scale
     bias = randn(rng, S)
-    ref = loop_attention(np.zeros((T, 0)), np.zeros((S, 0)), v[0], bias)
+    ref = attention_loop(np.zeros((T, 0)), np.zeros((S, 0)), v[0], bias)
     got = sdpa_all(np.zeros((T, 0)), np.zeros((S, 0)), v[0], bias, scale=5.0)
     assert_matches_reference(got, ref)
 
@@ -445,7 +352,7 @@ def test_gqa_equals_repeated_kv_heads(Hkv, rng):
 def test_gqa_head_h_reads_kv_head_h_over_g_in_the_loop_reference(rng):
     q, k, v = randn(rng, 6, T, 3), randn(rng, 2, S, 3), randn(rng, 2, S, DV)
     got = sdpa_all(q, k, v, enable_gqa=True)
-    assert_matches_reference(got, loop_attention(q, k, v, enable_gqa=True))
+    assert_matches_reference(got, attention_loop(q, k, v, enable_gqa=True))
     # not tiling: head 1 must read kv head 0, which np.tile would replace by kv head 1
     tiled = scaled_dot_product_attention(q, np.tile(k, (3, 1, 1)), np.tile(v, (3, 1, 1)))
     assert not np.allclose(got[0][1], tiled[1])
@@ -456,7 +363,7 @@ def test_gqa_5d_with_broadcast_batch(rng):
     k, v = randn(rng, 1, 4, 3, S, 3), randn(rng, B, 4, 3, S, DV)
     got = sdpa_all(q, k, v, enable_gqa=True)
     assert got[0].shape == (B, 4, 6, T, DV)
-    assert_matches_reference(got, loop_attention(q, k, v, enable_gqa=True))
+    assert_matches_reference(got, attention_loop(q, k, v, enable_gqa=True))
 
 
 def test_mqa_by_broadcasting_equals_enable_gqa(rng):
@@ -553,7 +460,7 @@ def test_float32_matches_float64_reference(rng):
     shapes = ((B, H, T, DK), (B, H, S, DK), (B, H, S, DV))
     q, k, v = (randn(rng, *s).astype(np.float32) for s in shapes)
     got = sdpa_all(q, k, v, is_causal=True)
-    assert_matches_reference(got, loop_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
+    assert_matches_reference(got, attention_loop(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int8, np.uint8, bool])
@@ -682,7 +589,7 @@ def test_return_tuple_order_is_out_weights_lse(rng):
     q, k, v = randn(rng, H, T, DK), randn(rng, H, S, DK), randn(rng, H, S, DV)
     out = scaled_dot_product_attention(q, k, v)
     assert isinstance(out, np.ndarray) and out.shape == (H, T, DV)
-    ref_out, ref_w, ref_lse = loop_attention(q, k, v)
+    ref_out, ref_w, ref_lse = attention_loop(q, k, v)
     pair = scaled_dot_product_attention(q, k, v, return_weights=True)
     assert isinstance(pair, tuple) and len(pair) == 2
     np.testing.assert_allclose(pair[1], ref_w, **F64)
@@ -981,5 +888,5 @@ def test_dropout_with_a_legacy_random_state_raises():
 
 
 def test_options_after_the_star_are_keyword_only():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="positional arguments but 7 were given"):
         scaled_dot_product_attention(*q_k_v(), None, 0.0, False, 1.0)

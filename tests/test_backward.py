@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import sdpa
+from references import band_by_loop, central_differences
 from sdpa import scaled_dot_product_attention as attention
 from sdpa import scaled_dot_product_attention_backward as attention_backward
 
@@ -30,23 +31,6 @@ IMPLEMENTATIONS = [
 # ---------------------------------------------------------------------------------------------
 
 
-def band(T_, S_, *, causal=False, window=None, bottom_right=False):
-    """Bool (T, S) band written out entry by entry, independent of sdpa.masks."""
-    o = S_ - T_ if bottom_right else 0
-    allowed = np.ones((T_, S_), dtype=bool)
-    for i in range(T_):
-        for j in range(S_):
-            if causal and j > i + o:
-                allowed[i, j] = False
-            if window is not None:
-                left, right = window
-                if left is not None and j < i + o - left:
-                    allowed[i, j] = False
-                if right is not None and j > i + o + right:
-                    allowed[i, j] = False
-    return allowed
-
-
 def torch_grads(torch, d_out, q, k, v, attn_mask=None, *, is_causal=False, bottom_right=False,
                 window=None, scale=None, enable_gqa=False):
     """(out, d_q, d_k, d_v) from torch.autograd; masks we support beyond torch become explicit."""
@@ -57,7 +41,10 @@ def torch_grads(torch, d_out, q, k, v, attn_mask=None, *, is_causal=False, botto
         mask = np.broadcast_to(mask, (T_, S_))  # torch wants at least (T, S)
     torch_causal = False
     if window is not None or (is_causal and mask is not None and not bottom_right):
-        allowed = band(T_, S_, causal=is_causal, window=window, bottom_right=bottom_right)
+        allowed = band_by_loop(
+            T_, S_, is_causal=is_causal, window=window,
+            alignment="bottom_right" if bottom_right else "top_left",
+        )
         if mask is None:
             mask = allowed
         elif mask.dtype == bool:
@@ -85,16 +72,6 @@ def torch_grads(torch, d_out, q, k, v, attn_mask=None, *, is_causal=False, botto
         )
         out.backward(torch.tensor(d_out))
     return (out.detach().numpy(), *(t.grad.numpy() for t in tensors))
-
-
-def central_differences(f, x, eps=1e-6):
-    """Gradient of the scalar f at x, one entry at a time (a loop, separate from sdpa.gradcheck)."""
-    grad = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        e = np.zeros_like(x)
-        e[idx] = eps
-        grad[idx] = (f(x + e) - f(x - e)) / (2 * eps)
-    return grad
 
 
 def randn(rng, *shape, dtype=np.float64):

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from references import band_by_loop
 from sdpa import KVCache, elu_feature_map, linear_attention
 from sdpa import scaled_dot_product_attention as attention
 from sdpa import scaled_dot_product_attention_backward as attention_backward
@@ -206,22 +207,6 @@ def test_tiled_equals_reference_forward_and_backward(p):
 # ---------------------------------------------------------------------------------------------
 
 
-def _band(T, S, is_causal, alignment, window):
-    """Bool (T, S): the causal/window band, written out here from its definition."""
-    o = 0 if alignment == "top_left" else S - T
-    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
-    allowed = np.ones((T, S), dtype=bool)
-    if is_causal:
-        allowed &= j <= i + o
-    if window is not None:
-        left, right = window
-        if left is not None:
-            allowed &= j >= i + o - left
-        if right is not None:
-            allowed &= j <= i + o + right
-    return allowed
-
-
 def _sum_to(x, shape):
     """Sum a full-shape gradient over the axes along which its input was broadcast."""
     x = x.sum(axis=tuple(range(x.ndim - len(shape))))
@@ -243,7 +228,7 @@ def test_both_paths_agree_with_torch(torch, p):
     qf = np.ascontiguousarray(np.broadcast_to(q, (*full, T, q.shape[-1])))
     kf = np.ascontiguousarray(np.broadcast_to(k, (*kv_full, S, k.shape[-1])))
     vf = np.ascontiguousarray(np.broadcast_to(v, (*kv_full, S, v.shape[-1])))
-    band = _band(T, S, p["is_causal"], p["alignment"], p["window"])
+    band = band_by_loop(T, S, is_causal=p["is_causal"], window=p["window"], alignment=p["alignment"])
     mask = p["mask"]
     if mask is None:
         mask = band
@@ -318,7 +303,7 @@ def test_linear_attention_equals_its_quadratic_form(
     phi = elu_feature_map if feature_map is None else feature_map
     sim = phi(q.astype(np.float64)) @ np.swapaxes(phi(k.astype(np.float64)), -1, -2)
     if is_causal:
-        sim = np.where(_band(T, S, True, alignment, None), sim, 0.0)
+        sim = np.where(band_by_loop(T, S, is_causal=True, alignment=alignment), sim, 0.0)
     den = sim.sum(axis=-1, keepdims=True) + eps
     num = sim @ v.astype(np.float64)
     want = np.divide(num, den, out=np.zeros(np.broadcast_shapes(num.shape, den.shape)),

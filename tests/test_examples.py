@@ -51,7 +51,7 @@ def test_the_cat_sleeps_arrays_are_read_only():
     ex = the_cat_sleeps()
     for a in (ex.X, ex.Q, ex.K, ex.V, ex.W_q, ex.W_k, ex.W_v):
         assert not a.flags.writeable
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="read-only"):
         ex.X[0, 0] = 5
     assert the_cat_sleeps().X[0, 0] == 1  # every call returns fresh, unchanged data
 

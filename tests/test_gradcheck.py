@@ -101,41 +101,100 @@ def test_gradcheck_reports_nan_as_a_failure(rng):
     assert ok is False
 
 
-def test_errors(rng):
-    x = rng.standard_normal(3)
-    with pytest.raises(TypeError, match="f must be callable; got int"):
-        numerical_gradient(3, (x,))
-    with pytest.raises(TypeError, match="args must be an array or a tuple or list of .*; got set"):
-        numerical_gradient(np.sum, {1.0, 2.0})
-    with pytest.raises(TypeError, match=r"args\[0\] must not be a numpy.ma.MaskedArray"):
-        numerical_gradient(np.sum, np.ma.masked_array(x, [0, 1, 0]))
-    with pytest.raises(TypeError, match=r"args\[0\] must be a real array; got dtype complex128"):
-        numerical_gradient(np.sum, (x + 1j,))
-    with pytest.raises(ValueError, match="eps must be a positive, finite real number; got 0.0"):
-        numerical_gradient(np.sum, (x,), eps=0.0)
-    with pytest.raises(TypeError, match="eps must be a positive, finite real number; got .1e-6."):
-        numerical_gradient(np.sum, (x,), eps="1e-6")
-    with pytest.raises(ValueError, match="argnums entry 1 is out of range for 1 argument"):
-        numerical_gradient(np.sum, (x,), argnums=1)
-    with pytest.raises(TypeError, match="argnums must be an int or a sequence of ints"):
-        numerical_gradient(np.sum, (x,), argnums=0.5)
-    with pytest.raises(ValueError, match=r"d_out must have the shape of f's result, \(3,\); got d_out.shape=\(2,\)"):
-        numerical_gradient(lambda a: a, (x,), np.ones(2))
-    with pytest.raises(TypeError, match="vjp must be callable"):
-        gradcheck(np.sum, None, (x,))
-    with pytest.raises(ValueError, match=r"vjp must return one gradient per checked argument \(1\); got 2"):
-        gradcheck(lambda a: a, lambda d, a: (d, d), (x,))
-    with pytest.raises(ValueError, match=r"vjp's gradient for argument 0 must have that argument's shape \(3,\); got shape \(2,\)"):
-        gradcheck(lambda a: a, lambda d, a: (d[:2],), (x,))
-    with pytest.raises(ValueError, match="atol must be a non-negative real number; got -1"):
-        gradcheck(lambda a: a, lambda d, a: (d,), (x,), atol=-1)
-    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator, .*; got int"):
-        gradcheck(lambda a: a, lambda d, a: (d,), (x,), rng=0)
+X = np.array([0.3, -1.2, 2.0])
+
+
+def identity(a):
+    return a
+
+
+def identity_vjp(d, a):
+    return (d,)
+
+
+# One raising call per case: (exception, message pattern, the call).
+ERRORS = {
+    "f not callable": (TypeError, "f must be callable; got int", lambda: numerical_gradient(3, (X,))),
+    "args a set": (
+        TypeError,
+        "args must be an array or a tuple or list of .*; got set",
+        lambda: numerical_gradient(np.sum, {1.0, 2.0}),
+    ),
+    "masked array": (
+        TypeError,
+        r"args\[0\] must not be a numpy.ma.MaskedArray",
+        lambda: numerical_gradient(np.sum, np.ma.masked_array(X, [0, 1, 0])),
+    ),
+    "complex args": (
+        TypeError,
+        r"args\[0\] must be a real array; got dtype complex128",
+        lambda: numerical_gradient(np.sum, (X + 1j,)),
+    ),
+    "eps zero": (
+        ValueError,
+        "eps must be a positive, finite real number; got 0.0",
+        lambda: numerical_gradient(np.sum, (X,), eps=0.0),
+    ),
+    "eps a string": (
+        TypeError,
+        "eps must be a positive, finite real number; got .1e-6.",
+        lambda: numerical_gradient(np.sum, (X,), eps="1e-6"),
+    ),
+    "argnums out of range": (
+        ValueError,
+        "argnums entry 1 is out of range for 1 argument",
+        lambda: numerical_gradient(np.sum, (X,), argnums=1),
+    ),
+    "argnums a float": (
+        TypeError,
+        "argnums must be an int or a sequence of ints",
+        lambda: numerical_gradient(np.sum, (X,), argnums=0.5),
+    ),
+    "d_out shape": (
+        ValueError,
+        r"d_out must have the shape of f's result, \(3,\); got d_out.shape=\(2,\)",
+        lambda: numerical_gradient(identity, (X,), np.ones(2)),
+    ),
+    "vjp not callable": (TypeError, "vjp must be callable", lambda: gradcheck(np.sum, None, (X,))),
+    "vjp gives too many gradients": (
+        ValueError,
+        r"vjp must return one gradient per checked argument \(1\); got 2",
+        lambda: gradcheck(identity, lambda d, a: (d, d), (X,)),
+    ),
+    "vjp gradient shape": (
+        ValueError,
+        r"vjp's gradient for argument 0 must have that argument's shape \(3,\); got shape \(2,\)",
+        lambda: gradcheck(identity, lambda d, a: (d[:2],), (X,)),
+    ),
+    "atol negative": (
+        ValueError,
+        "atol must be a non-negative real number; got -1",
+        lambda: gradcheck(identity, identity_vjp, (X,), atol=-1),
+    ),
+    "rng an int": (
+        TypeError,
+        r"rng must be a numpy.random.Generator, .*; got int",
+        lambda: gradcheck(identity, identity_vjp, (X,), rng=0),
+    ),
     # checked even when it is not used (d_out given): a wrong argument is never ignored
-    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator, .*; got int"):
-        gradcheck(lambda a: a, lambda d, a: (d,), (x,), np.ones(3), rng=0)
-    with pytest.raises(TypeError, match="raise_exception must be a bool; got 'no'"):
-        gradcheck(lambda a: a, lambda d, a: (d,), (x,), raise_exception="no")
+    "rng an int with d_out given": (
+        TypeError,
+        r"rng must be a numpy.random.Generator, .*; got int",
+        lambda: gradcheck(identity, identity_vjp, (X,), np.ones(3), rng=0),
+    ),
+    "raise_exception a string": (
+        TypeError,
+        "raise_exception must be a bool; got 'no'",
+        lambda: gradcheck(identity, identity_vjp, (X,), raise_exception="no"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_error(case):
+    exception, pattern, call = ERRORS[case]
+    with pytest.raises(exception, match=pattern):
+        call()
 
 
 def test_a_single_array_is_one_argument(rng):

@@ -5,19 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import sdpa
+from references import attention_loop_2d, band_by_loop
 from sdpa import KVCache, MultiHeadAttention, merge_heads, scaled_dot_product_attention, split_heads
-
-
-def causal_attention_loop(q, k, v, scale):
-    """Full causal attention (top-left, T == S) for one head, in float64 loops."""
-    T = q.shape[0]
-    out = np.zeros((T, v.shape[1]))
-    for i in range(T):
-        s = np.array([scale * float(q[i] @ k[j]) for j in range(i + 1)])
-        w = np.exp(s - s.max())
-        out[i] = (w / w.sum()) @ v[: i + 1]
-    return out
 
 
 def chunks_of(n, sizes):
@@ -46,7 +35,8 @@ def test_decoding_equals_full_causal_attention(rng, Hq, Hkv, schedule):
     G = Hq // Hkv
     for b in range(B):
         for h in range(Hq):
-            ref = causal_attention_loop(q[b, h], k[b, h // G], v[b, h // G], 1 / np.sqrt(Dk))
+            causal = band_by_loop(q.shape[2], q.shape[2], is_causal=True)
+            ref = attention_loop_2d(q[b, h], k[b, h // G], v[b, h // G], causal, scale=1 / np.sqrt(Dk))[0]
             np.testing.assert_allclose(got[b, h], ref, rtol=1e-12, atol=1e-12)
 
 
@@ -249,10 +239,6 @@ def test_nbytes_counts_tokens_and_allocation():
     assert cache.nbytes_allocated == 7 * per_token  # first allocation fits the 7 tokens exactly
     cache.append(0, np.ones((B, Hkv, 1, Dk)), np.ones((B, Hkv, 1, Dv)))
     assert cache.nbytes_allocated == 7 * per_token + 7 * per_token // L  # layer 0 doubled to 14
-
-
-def test_exported():
-    assert "KVCache" in sdpa.__all__
 
 
 # -- errors: one per raise ------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import sdpa
 from sdpa import elu_feature_map, linear_attention
 
 
@@ -189,10 +188,6 @@ def test_empty_sequences():
     np.testing.assert_array_equal(out, np.zeros((3, 4)))
     out = linear_attention(np.ones((0, 2)), np.ones((3, 2)), np.ones((3, 4)), is_causal=True)
     assert out.shape == (0, 4)
-
-
-def test_exported():
-    assert "linear_attention" in sdpa.__all__ and "elu_feature_map" in sdpa.__all__
 
 
 # -- errors: one per raise ------------------------------------------------------------------

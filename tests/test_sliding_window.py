@@ -5,39 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from references import attention_loop_2d, band_by_loop
 from sdpa import MultiHeadAttention, scaled_dot_product_attention, sliding_window_mask
-
-
-def band_by_loop(T, S, window, *, causal=False, alignment="top_left"):
-    """The allowed (T, S) pattern from its definition, one (i, j) at a time."""
-    left, right = window
-    o = S - T if alignment == "bottom_right" else 0
-    allowed = np.zeros((T, S), dtype=bool)
-    for i in range(T):
-        for j in range(S):
-            ok = True
-            if left is not None and j < i + o - left:
-                ok = False
-            if right is not None and j > i + o + right:
-                ok = False
-            if causal and j > i + o:
-                ok = False
-            allowed[i, j] = ok
-    return allowed
-
-
-def attention_loop(q, k, v, allowed, scale):
-    """Masked softmax attention for one head in float64 loops; rows with no key give 0."""
-    T, S = allowed.shape
-    out = np.zeros((T, v.shape[-1]))
-    for i in range(T):
-        cols = [j for j in range(S) if allowed[i, j]]
-        if not cols:
-            continue
-        s = np.array([scale * float(np.dot(q[i], k[j])) for j in cols])
-        w = np.exp(s - s.max())
-        out[i] = (w / w.sum()) @ v[cols]
-    return out
 
 
 WINDOWS = [(2, 0), (0, 2), (1, 3), (3, None), (None, 1), (0, 0), (20, 20)]
@@ -49,7 +18,7 @@ SHAPES = [(7, 7), (5, 9), (9, 5)]
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 def test_mask_equals_loop(window, T, S, alignment):
     np.testing.assert_array_equal(
-        sliding_window_mask(T, S, window, alignment=alignment), band_by_loop(T, S, window, alignment=alignment)
+        sliding_window_mask(T, S, window, alignment=alignment), band_by_loop(T, S, window=window, alignment=alignment)
     )
 
 
@@ -64,10 +33,10 @@ def test_windowed_attention_equals_loop_reference(rng, window, T, S, alignment, 
     out = scaled_dot_product_attention(
         q, k, v, is_causal=causal, causal_alignment=alignment, window=window
     )
-    allowed = band_by_loop(T, S, window, causal=causal, alignment=alignment)
+    allowed = band_by_loop(T, S, window=window, is_causal=causal, alignment=alignment)
     for b in range(2):
         np.testing.assert_allclose(
-            out[b], attention_loop(q[b], k[b], v[b], allowed, 0.5), rtol=1e-12, atol=1e-13
+            out[b], attention_loop_2d(q[b], k[b], v[b], allowed, scale=0.5)[0], rtol=1e-12, atol=1e-13
         )
 
 
@@ -77,7 +46,7 @@ def test_window_equals_explicit_mask_and_torch(rng, torch, alignment):
     q = rng.standard_normal((2, 3, T, 8))
     k = rng.standard_normal((2, 3, S, 8))
     v = rng.standard_normal((2, 3, S, 5))
-    allowed = band_by_loop(T, S, window, causal=True, alignment=alignment)
+    allowed = band_by_loop(T, S, window=window, is_causal=True, alignment=alignment)
     out = scaled_dot_product_attention(
         q, k, v, is_causal=True, causal_alignment=alignment, window=window
     )
@@ -92,8 +61,8 @@ def test_window_combines_with_user_mask(rng):
     q, k, v = (rng.standard_normal((T, 4)) for _ in range(3))
     user = rng.random((T, S)) < 0.7
     out = scaled_dot_product_attention(q, k, v, user, window=(2, 2))
-    allowed = band_by_loop(T, S, (2, 2)) & user
-    np.testing.assert_allclose(out, attention_loop(q, k, v, allowed, 0.5), rtol=1e-12, atol=1e-13)
+    allowed = band_by_loop(T, S, window=(2, 2)) & user
+    np.testing.assert_allclose(out, attention_loop_2d(q, k, v, allowed, scale=0.5)[0], rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("L", [1, 2, 3])

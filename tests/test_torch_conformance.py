@@ -160,7 +160,7 @@ def test_every_mask_shape(torch, mask_shape, mask_kind, dtype, rng):
     theirs = torch_sdpa(torch, q, k, v, np.broadcast_to(mask, (B, H, T, S)))
     np.testing.assert_allclose(ours, theirs, **TOL[dtype])
     if mask.ndim == 1:
-        with pytest.raises(IndexError):
+        with pytest.raises(IndexError, match="Dimension out of range"):
             torch_sdpa(torch, q, k, v, mask)
 
 
@@ -279,7 +279,7 @@ def test_integer_inputs(torch):
     q = np.array([[0, 1], [1, 0], [1, 1]])
     k = np.array([[1, 1], [0, 1], [1, 2]])
     v = np.array([[1, 0], [0, 2], [1, 2]])
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="same dtype"):
         torch_sdpa(torch, q, k, v)
     ours = scaled_dot_product_attention(q, k, v)
     assert ours.dtype == np.float64
@@ -292,7 +292,7 @@ def test_mixed_dtypes_promote(torch, rng):
     # so float32 queries with float64 keys and values compute (and return) float64.
     q = rng.standard_normal((B, H, T, DK)).astype(np.float32)
     k, v = rng.standard_normal((B, H, S, DK)), rng.standard_normal((B, H, S, DV))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="same dtype"):
         torch_sdpa(torch, q, k, v)
     ours = scaled_dot_product_attention(q, k, v)
     assert ours.dtype == np.float64
