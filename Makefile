@@ -31,7 +31,7 @@ DIST_STAMP := $(DIST)/.built
 DIST_DEPS  := pyproject.toml README.md LICENSE $(shell find src -name '*.py' -not -path '*/__pycache__/*')
 
 .DEFAULT_GOAL := help
-.PHONY: help venv node_modules test unit doctest html html-force serve bench demo constraints clean
+.PHONY: help venv node_modules test unit lint doctest html html-force serve bench demo constraints clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -50,11 +50,16 @@ $(NODE_STAMP): package.json package-lock.json
 
 node_modules: $(NODE_STAMP) ## install MathJax for the book from package-lock.json (npm ci)
 
-test: $(STAMP) html-force ## run every test: unit, doctests, README, book build and browser
+test: $(STAMP) lint html-force ## run every test: lint, unit, doctests, README, book build and browser
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 unit: $(STAMP) ## run the unit tests and doctests only (no book build, no browser)
 	$(VPY) -m pytest -m "not browser and not site" $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff check, ruff format --check, and numpydoc's validation of the public API
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+	$(VPY) -m pytest -q -p no:cacheprovider tests/test_docstrings.py
 
 doctest: $(STAMP) ## run the doctests of the package, the README and the book
 	$(VPY) -m pytest src/sdpa README.md $(PYTEST_ARGS)

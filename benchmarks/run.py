@@ -82,7 +82,9 @@ def machine() -> dict:
         pass
     info = {
         "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset"),
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -94,7 +96,9 @@ def machine() -> dict:
 
         blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
         if blas:
-            info["blas"] = f"{blas[0].get('internal_api')} {blas[0].get('version')} ({blas[0].get('architecture')})"
+            info["blas"] = (
+                f"{blas[0].get('internal_api')} {blas[0].get('version')} ({blas[0].get('architecture')})"
+            )
     except ImportError:
         pass
     return info
@@ -300,7 +304,9 @@ def run_case(case, torch, peaks, idle, baseline=None) -> dict:
     result["ratio_torch"] = t_ours / result["time"]["torch"] if "torch" in impls else None
     if "baseline" in impls:
         t_base = result["time"]["baseline"]
-        result["baseline_ratio_torch"] = t_base / result["time"]["torch"] if "torch" in impls else None
+        result["baseline_ratio_torch"] = (
+            t_base / result["time"]["torch"] if "torch" in impls else None
+        )
         result["ours_over_baseline"] = t_ours / t_base
     result["speedup_textbook"] = (
         result["time"]["textbook"] / t_ours if "textbook" in result["time"] else None
@@ -351,10 +357,10 @@ def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
             q, k, v = (rng.standard_normal((1, 1, n, D)).astype(dtype) for _ in range(3))
             problem = prepare_attention(q, k, v, None, is_causal)
 
-            def ours():
+            def ours(problem=problem):
                 attention_tiled(problem, num_threads=1)
 
-            def ours_no_exp():
+            def ours_no_exp(problem=problem):
                 attention_tiled(problem, num_threads=1, exp=no_exp)
 
             impls = {"ours": ours, "ours without exp": ours_no_exp}
@@ -363,7 +369,7 @@ def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
             if torch is not None:
                 tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
 
-                def run_torch():
+                def run_torch(tq=tq, tk=tk, tv=tv, is_causal=is_causal):
                     with torch.no_grad():
                         torch.nn.functional.scaled_dot_product_attention(
                             tq, tk, tv, is_causal=is_causal
@@ -381,10 +387,17 @@ def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
                         times[name].append(time.thread_time() - start)
             # the best round: CPU time is inflated, never deflated, by other processes' use of
             # the shared caches and memory bus
-            row = {"dtype": dtype, "n": n, "causal": is_causal,
-                   "cpu": {k: min(t) for k, t in times.items()}}
-            print(f"one core, {dtype}, n={n}, causal={is_causal}: " + ", ".join(
-                f"{k} {fmt_time(t)}" for k, t in row["cpu"].items()), flush=True)
+            row = {
+                "dtype": dtype,
+                "n": n,
+                "causal": is_causal,
+                "cpu": {k: min(t) for k, t in times.items()},
+            }
+            print(
+                f"one core, {dtype}, n={n}, causal={is_causal}: "
+                + ", ".join(f"{k} {fmt_time(t)}" for k, t in row["cpu"].items()),
+                flush=True,
+            )
             rows.append(row)
     finally:
         if torch is not None:
@@ -420,15 +433,25 @@ def summarise(results) -> dict:
     }
     for dtype in ("float32", "float64"):
         s[f"textbook/ours, {dtype}, n >= 4096"] = geomean(
-            sel(lambda r: r["dtype"] == dtype and r["n"] >= 4096 and r["batch"] == [1, 1],
-                "speedup_textbook")
+            sel(
+                lambda r, dtype=dtype: (
+                    r["dtype"] == dtype and r["n"] >= 4096 and r["batch"] == [1, 1]
+                ),
+                "speedup_textbook",
+            )
         )
         s[f"min textbook/ours, {dtype}, n >= 4096"] = min(
-            sel(lambda r: r["dtype"] == dtype and r["n"] >= 4096 and r["speedup_textbook"],
-                "speedup_textbook"),
+            sel(
+                lambda r, dtype=dtype: (
+                    r["dtype"] == dtype and r["n"] >= 4096 and r["speedup_textbook"]
+                ),
+                "speedup_textbook",
+            ),
             default=None,
         )
-    big = [r for r in results if r["n"] == 16384 and r["dtype"] == "float32" and r["batch"] == [1, 1]]
+    big = [
+        r for r in results if r["n"] == 16384 and r["dtype"] == "float32" and r["batch"] == [1, 1]
+    ]
     s["ours extra memory MiB, n=16384 float32"] = (
         max(r["memory"]["ours"] for r in big) / 2**20 if big else None
     )
@@ -473,8 +496,9 @@ def auto_cases(quick: bool) -> list[dict]:
     ]
     if quick:
         grid = [g for g in grid if math.prod(g[1]) * g[2] ** 2 <= 2**22]
-    return [dict(kind=k, lead=lead, n=n, d=d, causal=c, dtype="float32")
-            for k, lead, n, d, c in grid]
+    return [
+        dict(kind=k, lead=lead, n=n, d=d, causal=c, dtype="float32") for k, lead, n, d, c in grid
+    ]
 
 
 def run_auto_case(case, idle, rounds=7) -> dict:
@@ -490,8 +514,11 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     shape = (*case["lead"], case["n"], case["d"])
     q, k, v = (rng.standard_normal(shape).astype(case["dtype"]) for _ in range(3))
     impls = {
-        name: (lambda name=name: scaled_dot_product_attention(
-            q, k, v, is_causal=case["causal"], implementation=name))
+        name: (
+            lambda name=name: scaled_dot_product_attention(
+                q, k, v, is_causal=case["causal"], implementation=name
+            )
+        )
         for name in ("auto", "reference", "tiled")
     }
     times = {name: [] for name in impls}
@@ -561,8 +588,11 @@ def markdown(report) -> str:
                     et=f"{r['error']['torch']:.1e}" if "torch" in r["error"] else "n/a",
                 )
             )
-        notes = [f"- n={r['n']} {r['dtype']} causal={r['causal']}: textbook {why}"
-                 for r in report["results"] for why in r["skipped"].values()]
+        notes = [
+            f"- n={r['n']} {r['dtype']} causal={r['causal']}: textbook {why}"
+            for r in report["results"]
+            for why in r["skipped"].values()
+        ]
         if notes:
             lines += ["", "Skipped:", *notes]
         if report.get("baseline"):
@@ -596,8 +626,8 @@ def markdown(report) -> str:
             '## `implementation="auto"` against the faster path',
             "",
             "float32, T = S = n, q, k and v of shape (*lead, n, d); best of 7 interleaved "
-            "rounds. \"chosen/faster\" compares the path auto takes with the faster one in the "
-            "same rounds; \"auto/faster\" times auto itself (the same path, plus the decision).",
+            'rounds. "chosen/faster" compares the path auto takes with the faster one in the '
+            'same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
             "",
             "| case | lead | n | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -617,11 +647,14 @@ def markdown(report) -> str:
             "",
             "## Where the time goes (one core, CPU time)",
             "",
-            "Best of 11 interleaved rounds; torch and ours on one thread each; \"ours without "
-            "exp\" is our kernel with its",
+            'Best of 11 interleaved rounds; torch and ours on one thread each; "ours without '
+            'exp" is our kernel with its',
             "elementwise exponential replaced by a multiplication (wrong results, timing only)."
-            + (" \"baseline\" is the tiled path at the baseline revision, in the same rounds."
-               if any("baseline" in r["cpu"] for r in split) else ""),
+            + (
+                ' "baseline" is the tiled path at the baseline revision, in the same rounds.'
+                if any("baseline" in r["cpu"] for r in split)
+                else ""
+            ),
             "",
             "| dtype | causal | n | torch | ours | ours without exp | baseline | ours/torch "
             "| baseline/torch | ours/baseline | without exp/torch | exp share of ours |",
@@ -660,14 +693,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="n in {1024, 2048} only")
     parser.add_argument("--idle", type=seconds, default=IDLE, help="pause between calls, s")
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"results directory (default {DEFAULT_OUT.relative_to(REPO)}, untracked)")
-    parser.add_argument("--refresh", action="store_true",
-                        help="write into benchmarks/results/ (tracked) instead of --out")
-    parser.add_argument("--baseline", metavar="REV",
-                        help="also time sdpa as it was at this git revision, interleaved")
-    parser.add_argument("--only", choices=SECTIONS, action="append",
-                        help="run only these sections (repeatable); default all")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"results directory (default {DEFAULT_OUT.relative_to(REPO)}, untracked)",
+    )
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="write into benchmarks/results/ (tracked) instead of --out",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time sdpa as it was at this git revision, interleaved",
+    )
+    parser.add_argument(
+        "--only",
+        choices=SECTIONS,
+        action="append",
+        help="run only these sections (repeatable); default all",
+    )
     args = parser.parse_args(argv)
     if args.refresh and args.out is not None:
         parser.error("--refresh writes into benchmarks/results/; it cannot be combined with --out")
@@ -681,8 +728,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--out {args.out}: cannot create or write this directory ({error.strerror})")
     if args.baseline is not None:
         check = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", args.baseline + "^{commit}"],
-            capture_output=True, check=False,
+            [
+                "git",
+                "-C",
+                str(REPO),
+                "rev-parse",
+                "--verify",
+                "--quiet",
+                args.baseline + "^{commit}",
+            ],
+            capture_output=True,
+            check=False,
         )
         if check.returncode != 0:
             parser.error(f"--baseline {args.baseline}: not a git revision of {REPO}")
@@ -703,7 +759,7 @@ def main(argv=None) -> int:
         print("torch is not installed: ratios to torch are not measured", file=sys.stderr)
 
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": args.quick,
         "machine": machine(),
         "torch": None if torch is None else torch.__version__,

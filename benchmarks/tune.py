@@ -32,8 +32,10 @@ rng = np.random.default_rng(0)
 
 
 def tiles(n=2048, rounds=3):
-    grid = {np.float32: [(128, 256), (128, 512), (256, 256), (256, 512), (512, 512), (256, 1024)],
-            np.float64: [(64, 512), (128, 256), (128, 512), (256, 256), (256, 512)]}
+    grid = {
+        np.float32: [(128, 256), (128, 512), (256, 256), (256, 512), (512, 512), (256, 1024)],
+        np.float64: [(64, 512), (128, 256), (128, 512), (256, 256), (256, 512)],
+    }
     for dtype, configs in grid.items():
         default = (tiled.BLOCK_ROWS[np.dtype(dtype)], tiled.BLOCK_K[np.dtype(dtype)])
         for is_causal in (False, True):
@@ -47,8 +49,11 @@ def tiles(n=2048, rounds=3):
                         tiled.attention_tiled(problem, block_q=c[0], block_k=c[1], num_threads=1)
                         best[c] = min(best[c], time.thread_time() - start)
             ref = best.get(default, min(best.values()))
-            print(f"{np.dtype(dtype).name} causal={is_causal}: " + "  ".join(
-                f"{c[0]}x{c[1]} {best[c] / ref:.2f}" for c in configs), flush=True)
+            print(
+                f"{np.dtype(dtype).name} causal={is_causal}: "
+                + "  ".join(f"{c[0]}x{c[1]} {best[c] / ref:.2f}" for c in configs),
+                flush=True,
+            )
 
 
 def threshold(rounds=7, idle=0.05):
@@ -63,8 +68,11 @@ def threshold(rounds=7, idle=0.05):
                 sdpa.scaled_dot_product_attention(q, k, v, implementation=impl)
                 times[impl].append(time.perf_counter() - start)
         ref, til = (float(np.median(times[i])) for i in ("reference", "tiled"))
-        print(f"H={h} n={n:5} scores={h * n * n:9}: reference {ref * 1e3:7.2f} ms, "
-              f"tiled {til * 1e3:7.2f} ms, tiled/reference {til / ref:.2f}", flush=True)
+        print(
+            f"H={h} n={n:5} scores={h * n * n:9}: reference {ref * 1e3:7.2f} ms, "
+            f"tiled {til * 1e3:7.2f} ms, tiled/reference {til / ref:.2f}",
+            flush=True,
+        )
 
 
 def auto_grid():
@@ -139,37 +147,70 @@ def auto(rounds=5, dtype=np.float32):
         for lead, n, d, is_causal in auto_grid():
             q, k, v = (rng.standard_normal((*lead, n, d)).astype(dtype) for _ in range(3))
             problem = prepare_attention(q, k, v, None, is_causal)
-            ref = 1e6 * _cpu_time(lambda: attention_reference(problem), rounds)
-            til = 1e6 * _cpu_time(lambda: attention_tiled(problem, num_threads=1), rounds)
+            ref = 1e6 * _cpu_time(lambda p=problem: attention_reference(p), rounds)
+            til = 1e6 * _cpu_time(lambda p=problem: attention_tiled(p, num_threads=1), rounds)
             units, tiles_, scores, _ = tiling_geometry(problem)
             matrices = int(np.prod(problem.batch_shape))
-            rows.append(dict(lead=lead, n=n, d=d, causal=is_causal, ref=ref, tiled=til,
-                             matrices=matrices, units=units, tiles=tiles_, scores=scores,
-                             width=2 * d, problem=problem))
-            print(f"{str(lead):9} n={n:5} d={d:3} causal={is_causal!s:5}: CPU reference "
-                  f"{ref / 1e3:9.2f} ms, tiled {til / 1e3:9.2f} ms", flush=True)
+            rows.append(
+                dict(
+                    lead=lead,
+                    n=n,
+                    d=d,
+                    causal=is_causal,
+                    ref=ref,
+                    tiled=til,
+                    matrices=matrices,
+                    units=units,
+                    tiles=tiles_,
+                    scores=scores,
+                    width=2 * d,
+                    problem=problem,
+                )
+            )
+            print(
+                f"{str(lead):9} n={n:5} d={d:3} causal={is_causal!s:5}: CPU reference "
+                f"{ref / 1e3:9.2f} ms, tiled {til / 1e3:9.2f} ms",
+                flush=True,
+            )
     tiny = np.zeros((1, 8, 8), dtype)
     call_ref = 1e6 * _wall_time(
-        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="reference"),
-        50)
+        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="reference"), 50
+    )
     call_til = 1e6 * _wall_time(
-        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="tiled"), 50)
+        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="tiled"), 50
+    )
 
     # CPU of the reference path, per matrix: matrix + io * (T + S) * width; per score:
     # score + score_width * width + masked * (a mask or band)
-    A = np.array([[r["matrices"], r["matrices"] * 2 * r["n"] * r["width"],
-                   r["matrices"] * r["n"] ** 2, r["matrices"] * r["n"] ** 2 * r["width"],
-                   r["matrices"] * r["n"] ** 2 * r["causal"]] for r in rows], dtype=float)
+    A = np.array(
+        [
+            [
+                r["matrices"],
+                r["matrices"] * 2 * r["n"] * r["width"],
+                r["matrices"] * r["n"] ** 2,
+                r["matrices"] * r["n"] ** 2 * r["width"],
+                r["matrices"] * r["n"] ** 2 * r["causal"],
+            ]
+            for r in rows
+        ],
+        dtype=float,
+    )
     b = np.array([r["ref"] for r in rows])
     x_ref = _nnls(A / b[:, None], np.ones(len(rows)))
     spread_ref = A @ x_ref / b
     matrix, io, score, width, masked = x_ref
-    fitted_ref = dict(call=call_ref, matrix=matrix, io=io, score=score,
-                      score_width=width / workers, masked=masked)  # BLAS spreads the products
+    fitted_ref = dict(
+        call=call_ref, matrix=matrix, io=io, score=score, score_width=width / workers, masked=masked
+    )  # BLAS spreads the products
     # CPU of the tiled path = unit * units + tile * (tiles - units)
     #                         + computed * (score + score_width * width)
-    A = np.array([[r["units"], r["tiles"] - r["units"], r["scores"], r["scores"] * r["width"]]
-                  for r in rows], dtype=float)
+    A = np.array(
+        [
+            [r["units"], r["tiles"] - r["units"], r["scores"], r["scores"] * r["width"]]
+            for r in rows
+        ],
+        dtype=float,
+    )
     b = np.array([r["tiled"] for r in rows])
     x_til = _nnls(A / b[:, None], np.ones(len(rows)))
     spread_til = A @ x_til / b
@@ -179,20 +220,26 @@ def auto(rounds=5, dtype=np.float32):
     print("TILED_COST =", {k: float(f"{v:.3g}") for k, v in fitted_til.items()})
     for name, spread in (("reference", spread_ref), ("tiled", spread_til)):
         low, mid, high = np.percentile(spread, [10, 50, 90])
-        print(f"{name}: model / measured CPU time: median {mid:.2f}, 10 % to 90 %: "
-              f"{low:.2f} to {high:.2f}")
+        print(
+            f"{name}: model / measured CPU time: median {mid:.2f}, 10 % to 90 %: "
+            f"{low:.2f} to {high:.2f}"
+        )
 
     # which path each model picks, by the modelled wall times
     def picks(model_ref, model_til):
-        times = (estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
-                 for row in rows)
+        times = (
+            estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
+            for row in rows
+        )
         return ["tiled" if t < r else "reference" for r, t in times]
 
     new_picks = picks(fitted_ref, fitted_til)
     old_picks = picks(REFERENCE_COST, TILED_COST)
     for row, new, old in zip(rows, new_picks, old_picks):
-        print(f"  {str(row['lead']):9} n={row['n']:5} d={row['d']:3} causal={row['causal']!s:5}: "
-              f"fitted model takes {new:9}, current model {old}")
+        print(
+            f"  {str(row['lead']):9} n={row['n']:5} d={row['d']:3} causal={row['causal']!s:5}: "
+            f"fitted model takes {new:9}, current model {old}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def import_torch():
     try:
         import torch
     except ImportError:
-        reason = "PyTorch is not installed; `pip install torch==2.13.0` to run the conformance tests"
+        reason = (
+            "PyTorch is not installed; `pip install torch==2.13.0` to run the conformance tests"
+        )
         if REQUIRE_REFERENCES:
             pytest.fail(reason)
         pytest.skip(reason)

@@ -70,8 +70,18 @@ def band_by_loop(T_, S_, *, is_causal=False, window=None, alignment="top_left"):
     return band
 
 
-def attention_loop(q, k, v, attn_mask=None, is_causal=False, *, alignment="top_left",
-                   window=None, scale=None, enable_gqa=False):
+def attention_loop(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal=False,
+    *,
+    alignment="top_left",
+    window=None,
+    scale=None,
+    enable_gqa=False,
+):
     """The batched reference: broadcast explicitly, then one loop_attention_2d per slice.
 
     With ``enable_gqa`` query head ``h`` reads key/value head ``h // (Hq // Hkv)``.

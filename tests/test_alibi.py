@@ -40,8 +40,23 @@ def test_slopes_for_powers_of_two(n, expected):
         # 6 heads: the 4 slopes for H=4, then slopes k=1, 3 of H=8
         (6, [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]),
         # 12 heads: the 8 slopes for H=8, then slopes k=1, 3, 5, 7 of H=16 (2**(-k/2))
-        (12, [2**-1, 2**-2, 2**-3, 2**-4, 2**-5, 2**-6, 2**-7, 2**-8,
-              2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5]),
+        (
+            12,
+            [
+                2**-1,
+                2**-2,
+                2**-3,
+                2**-4,
+                2**-5,
+                2**-6,
+                2**-7,
+                2**-8,
+                2**-0.5,
+                2**-1.5,
+                2**-2.5,
+                2**-3.5,
+            ],
+        ),
     ],
 )
 def test_slopes_for_other_head_counts_written_by_hand(n, expected):
@@ -157,9 +172,12 @@ def test_decoding_with_bottom_right_bias_equals_full_attention(rng):
     full = scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(H, T, T), is_causal=True)
     for t in range(T):  # query t against the keys 0..t, as with a KV cache
         step = scaled_dot_product_attention(
-            q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1],
+            q[:, t : t + 1],
+            k[:, : t + 1],
+            v[:, : t + 1],
             attn_mask=alibi_bias(H, 1, t + 1, alignment="bottom_right"),
-            is_causal=True, causal_alignment="bottom_right",
+            is_causal=True,
+            causal_alignment="bottom_right",
         )
         np.testing.assert_allclose(step[:, 0], full[:, t], rtol=1e-12, atol=1e-13)
 
@@ -217,5 +235,7 @@ def test_non_integer_length_raises():
 
 
 def test_unknown_alignment_raises():
-    with pytest.raises(ValueError, match="alignment must be 'top_left' or 'bottom_right'; got 'left'"):
+    with pytest.raises(
+        ValueError, match="alignment must be 'top_left' or 'bottom_right'; got 'left'"
+    ):
         alibi_bias(2, 3, 3, alignment="left")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from references import attention_loop, attention_loop_2d
+
 from sdpa import causal_mask, padding_mask, scaled_dot_product_attention, sliding_window_mask
 
 B, H, T, S, DK, DV = 2, 3, 5, 7, 11, 4
@@ -153,8 +153,18 @@ def test_window_equals_sliding_window_mask(rng):
 # --- masks ---------------------------------------------------------------------------------
 
 MASK_SHAPES = [
-    (S,), (T, S), (1, S), (T, 1), (1, T, 1), (H, 1, S), (B, 1, 1, S), (B, H, T, S),
-    (B, 1, T, S), (1, 1, 1, 1), (H, T, S), (B, H, 1, 1),
+    (S,),
+    (T, S),
+    (1, S),
+    (T, 1),
+    (1, T, 1),
+    (H, 1, S),
+    (B, 1, 1, S),
+    (B, H, T, S),
+    (B, 1, T, S),
+    (1, 1, 1, 1),
+    (H, T, S),
+    (B, H, 1, 1),
 ]
 
 
@@ -280,11 +290,11 @@ def test_fully_masked_rows_give_zeros_and_minus_inf(rng):
     with np.errstate(**RAISE_ON_TROUBLE):
         out, weights, lse = sdpa_all(q, k, v, mask)
         out_b, weights_b, lse_b = sdpa_all(q, k, v, np.where(mask, 0.0, -np.inf))
-    for o, w, l in ((out, weights, lse), (out_b, weights_b, lse_b)):
+    for o, w, lse_ in ((out, weights, lse), (out_b, weights_b, lse_b)):
         np.testing.assert_array_equal(o[0, 2], 0.0)
         np.testing.assert_array_equal(o[1, 0], 0.0)
         np.testing.assert_array_equal(w[0, 2], 0.0)
-        assert l[0, 2] == l[1, 0] == -np.inf
+        assert lse_[0, 2] == lse_[1, 0] == -np.inf
         others = np.ones((B, T), dtype=bool)
         others[0, 2] = others[1, 0] = False
         np.testing.assert_allclose(w.sum(-1)[others], 1.0, rtol=1e-14)
@@ -341,8 +351,13 @@ def test_gqa_equals_repeated_kv_heads(Hkv, rng):
     Hq, G = 6, 6 // Hkv
     q, k, v = randn(rng, B, Hq, T, DK), randn(rng, B, Hkv, S, DK), randn(rng, B, Hkv, S, DV)
     k_rep, v_rep = np.repeat(k, G, axis=-3), np.repeat(v, G, axis=-3)  # h -> h // G
-    for mask in (None, rng.random((B, Hq, T, S)) < 0.7, rng.random((Hq, 1, S)) < 0.7,
-                 randn(rng, B, 1, T, S), rng.random((T, S)) < 0.7):
+    for mask in (
+        None,
+        rng.random((B, Hq, T, S)) < 0.7,
+        rng.random((Hq, 1, S)) < 0.7,
+        randn(rng, B, 1, T, S),
+        rng.random((T, S)) < 0.7,
+    ):
         got = sdpa_all(q, k, v, mask, is_causal=True, enable_gqa=True)
         expected = sdpa_all(q, k_rep, v_rep, mask, is_causal=True)
         for g, e in zip(got, expected):
@@ -380,9 +395,14 @@ def test_mqa_by_broadcasting_equals_enable_gqa(rng):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    T_=st.integers(1, 6), S_=st.integers(1, 6), Dk=st.integers(1, 4), Dv=st.integers(1, 3),
-    is_causal=st.booleans(), alignment=st.sampled_from(["top_left", "bottom_right"]),
-    seed=st.integers(0, 2**32 - 1), magnitude=st.sampled_from([0.1, 1.0, 30.0]),
+    T_=st.integers(1, 6),
+    S_=st.integers(1, 6),
+    Dk=st.integers(1, 4),
+    Dv=st.integers(1, 3),
+    is_causal=st.booleans(),
+    alignment=st.sampled_from(["top_left", "bottom_right"]),
+    seed=st.integers(0, 2**32 - 1),
+    magnitude=st.sampled_from([0.1, 1.0, 30.0]),
 )
 def test_property_rows_sum_to_one_and_key_permutation_changes_nothing(
     T_, S_, Dk, Dv, is_causal, alignment, seed, magnitude
@@ -422,8 +442,8 @@ def test_causal_outputs_do_not_depend_on_later_tokens(alignment, rng):
     for cut in range(1, T_):
         q2, k2, v2 = q.copy(), k.copy(), v.copy()
         q2[:, cut:] = randn(rng, H, T_ - cut, DK)
-        k2[:, cut + o:] = randn(rng, H, S - cut - o, DK) * 10
-        v2[:, cut + o:] = randn(rng, H, S - cut - o, DV) * 10
+        k2[:, cut + o :] = randn(rng, H, S - cut - o, DK) * 10
+        v2[:, cut + o :] = randn(rng, H, S - cut - o, DV) * 10
         out2 = scaled_dot_product_attention(q2, k2, v2, is_causal=True, causal_alignment=alignment)
         np.testing.assert_allclose(out2[:, :cut], out[:, :cut], rtol=1e-14, atol=0)
         assert not np.allclose(out2[:, cut:], out[:, cut:])  # the change did reach later rows
@@ -624,7 +644,7 @@ def test_fewer_than_two_dimensions_raise(which):
     with pytest.raises(
         ValueError,
         match=rf"{which} must have at least 2 dimensions \(\.\.\., L, D\); got "
-              rf"{which}.shape=\(3,\)",
+        rf"{which}.shape=\(3,\)",
     ):
         scaled_dot_product_attention(**args)
 
@@ -633,7 +653,7 @@ def test_dk_mismatch_raises():
     with pytest.raises(
         ValueError,
         match=r"query and key must share the last dimension Dk; got query.shape=\(5, 11\), "
-              r"key.shape=\(7, 3\)",
+        r"key.shape=\(7, 3\)",
     ):
         scaled_dot_product_attention(*q_k_v(k_shape=(S, 3)))
 
@@ -642,7 +662,7 @@ def test_s_mismatch_raises():
     with pytest.raises(
         ValueError,
         match=r"key and value must share the sequence length S \(axis -2\); got key.shape=\(7, "
-              r"11\), value.shape=\(5, 4\)",
+        r"11\), value.shape=\(5, 4\)",
     ):
         scaled_dot_product_attention(*q_k_v(v_shape=(T, DV)))
 
@@ -651,7 +671,7 @@ def test_batch_shapes_that_do_not_broadcast_raise():
     with pytest.raises(
         ValueError,
         match=r"batch and head dimensions of query, key and value must broadcast .*got "
-              r"query.shape=\(2, 5, 11\), key.shape=\(3, 7, 11\)",
+        r"query.shape=\(2, 5, 11\), key.shape=\(3, 7, 11\)",
     ):
         scaled_dot_product_attention(*q_k_v((B, T, DK), (H, S, DK), (H, S, DV)))
 
@@ -660,7 +680,7 @@ def test_gqa_batch_shapes_that_do_not_broadcast_raise():
     with pytest.raises(
         ValueError,
         match=r"the batch dimensions of query, key and value must broadcast; got query.shape=\(2, "
-              r"6, 5, 11\)",
+        r"6, 5, 11\)",
     ):
         args = q_k_v((2, 6, T, DK), (3, 3, S, DK), (3, 3, S, DV))
         scaled_dot_product_attention(*args, enable_gqa=True)
@@ -670,7 +690,7 @@ def test_gqa_heads_that_do_not_divide_raise():
     with pytest.raises(
         ValueError,
         match=r"query heads Hq=6 must be a multiple of the key/value heads Hkv=4; got "
-              r"query.shape=\(6, 5, 11\), key.shape=\(4, 7, 11\)",
+        r"query.shape=\(6, 5, 11\), key.shape=\(4, 7, 11\)",
     ):
         scaled_dot_product_attention(*q_k_v((6, T, DK), (4, S, DK), (4, S, DV)), enable_gqa=True)
 
@@ -679,7 +699,7 @@ def test_gqa_key_and_value_heads_differ_raises():
     with pytest.raises(
         ValueError,
         match=r"key and value must have the same number of heads; got key.shape=\(3, 7, 11\), "
-              r"value.shape=\(2, 7, 4\)",
+        r"value.shape=\(2, 7, 4\)",
     ):
         scaled_dot_product_attention(*q_k_v((6, T, DK), (3, S, DK), (2, S, DV)), enable_gqa=True)
 
@@ -688,7 +708,7 @@ def test_gqa_without_a_heads_axis_raises():
     with pytest.raises(
         ValueError,
         match=r"enable_gqa=True needs a heads axis \(\.\.\., H, L, D\) in query; got "
-              r"query.shape=\(5, 11\)",
+        r"query.shape=\(5, 11\)",
     ):
         scaled_dot_product_attention(*q_k_v(), enable_gqa=True)
 
@@ -700,7 +720,7 @@ def test_mask_that_does_not_broadcast_raises(mask_shape):
     with pytest.raises(
         ValueError,
         match=r"attn_mask must broadcast to the attention weights of shape \(2, 3, 5, 7\) "
-              r"\(\.\.\., H, T, S\); got attn_mask.shape=",
+        r"\(\.\.\., H, T, S\); got attn_mask.shape=",
     ):
         args = q_k_v((B, H, T, DK), (B, H, S, DK), (B, H, S, DV))
         scaled_dot_product_attention(*args, np.ones(mask_shape, bool))
@@ -811,8 +831,11 @@ def test_masked_arrays_raise_and_point_to_attn_mask(which):
     data = args[which] if which != "attn_mask" else np.zeros((T, S), dtype=bool)
     args[which] = np.ma.masked_array(data, mask=np.zeros(data.shape, dtype=bool))
     hint = "a plain bool array" if which == "attn_mask" else "the plain array, and .* attn_mask"
-    with pytest.raises(TypeError, match=rf"{which} must not be a numpy.ma.MaskedArray: its mask "
-                                        rf"would be silently ignored; pass {hint}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"{which} must not be a numpy.ma.MaskedArray: its mask "
+        rf"would be silently ignored; pass {hint}",
+    ):
         scaled_dot_product_attention(**args)
 
 
@@ -841,8 +864,8 @@ def test_reference_path_refuses_what_cannot_fit_in_memory():
     with pytest.raises(
         MemoryError,
         match=r"the reference path's scores and weights of shape \(2, 1000000, 1000000\) in "
-              r"float64 would take about .* TiB \(48000000000000 bytes\), more than the .* "
-              r"available; use implementation='tiled'",
+        r"float64 would take about .* TiB \(48000000000000 bytes\), more than the .* "
+        r"available; use implementation='tiled'",
     ):
         scaled_dot_product_attention(q, q, q, return_weights=True)
 
@@ -882,7 +905,7 @@ def test_dropout_with_a_legacy_random_state_raises():
     with pytest.raises(
         TypeError,
         match=r"rng must be a numpy.random.Generator, e.g. np.random.default_rng\(0\); got "
-              r"RandomState",
+        r"RandomState",
     ):
         scaled_dot_product_attention(*q_k_v(), dropout_p=0.5, rng=np.random.RandomState(0))
 

@@ -11,9 +11,9 @@ import warnings
 
 import numpy as np
 import pytest
+from references import band_by_loop, central_differences
 
 import sdpa
-from references import band_by_loop, central_differences
 from sdpa import scaled_dot_product_attention as attention
 from sdpa import scaled_dot_product_attention_backward as attention_backward
 
@@ -31,8 +31,20 @@ IMPLEMENTATIONS = [
 # ---------------------------------------------------------------------------------------------
 
 
-def torch_grads(torch, d_out, q, k, v, attn_mask=None, *, is_causal=False, bottom_right=False,
-                window=None, scale=None, enable_gqa=False):
+def torch_grads(
+    torch,
+    d_out,
+    q,
+    k,
+    v,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    bottom_right=False,
+    window=None,
+    scale=None,
+    enable_gqa=False,
+):
     """(out, d_q, d_k, d_v) from torch.autograd; masks we support beyond torch become explicit."""
     tensors = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
     T_, S_ = q.shape[-2], k.shape[-2]
@@ -42,7 +54,10 @@ def torch_grads(torch, d_out, q, k, v, attn_mask=None, *, is_causal=False, botto
     torch_causal = False
     if window is not None or (is_causal and mask is not None and not bottom_right):
         allowed = band_by_loop(
-            T_, S_, is_causal=is_causal, window=window,
+            T_,
+            S_,
+            is_causal=is_causal,
+            window=window,
             alignment="bottom_right" if bottom_right else "top_left",
         )
         if mask is None:
@@ -67,7 +82,10 @@ def torch_grads(torch, d_out, q, k, v, attn_mask=None, *, is_causal=False, botto
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         out = torch.nn.functional.scaled_dot_product_attention(
-            *tensors, attn_mask=torch_mask, is_causal=torch_causal, scale=scale,
+            *tensors,
+            attn_mask=torch_mask,
+            is_causal=torch_causal,
+            scale=scale,
             enable_gqa=enable_gqa,
         )
         out.backward(torch.tensor(d_out))
@@ -109,8 +127,13 @@ def _mask_cases(rng):
         ("causal top-left T<S", q4, k4, v4, dict(is_causal=True)),
         ("causal top-left T>S", (B, H, 9, DK), (B, H, 4, DK), (B, H, 4, DV), dict(is_causal=True)),
         ("causal bottom-right T<S", q4, k4, v4, dict(is_causal=True, bottom_right=True)),
-        ("causal bottom-right T>S (masked rows)", (B, H, 9, DK), (B, H, 4, DK), (B, H, 4, DV),
-         dict(is_causal=True, bottom_right=True)),
+        (
+            "causal bottom-right T>S (masked rows)",
+            (B, H, 9, DK),
+            (B, H, 4, DK),
+            (B, H, 4, DV),
+            dict(is_causal=True, bottom_right=True),
+        ),
         ("causal and bool mask", q4, k4, v4, dict(is_causal=True, attn_mask=full_bool)),
         ("window (1, 0)", q4, k4, v4, dict(window=(1, 0))),
         ("window (2, 1) bottom-right", q4, k4, v4, dict(window=(2, 1), bottom_right=True)),
@@ -121,12 +144,27 @@ def _mask_cases(rng):
         ("broadcast k (1,H,S,Dk), v (B,1,S,Dv)", q4, (1, H, S, DK), (B, 1, S, DV), {}),
         ("MQA by broadcasting (Hkv=1)", q4, (B, 1, S, DK), (B, 1, S, DV), dict(is_causal=True)),
         ("GQA Hq=6 Hkv=3", (B, 6, T, DK), k4, v4, dict(enable_gqa=True)),
-        ("GQA Hq=6 Hkv=2, per-head mask", (B, 6, T, DK), (B, 2, S, DK), (B, 2, S, DV),
-         dict(enable_gqa=True, attn_mask=rng.random((B, 6, T, S)) < 0.7)),
-        ("GQA Hq=6 Hkv=1, causal", (B, 6, T, DK), (B, 1, S, DK), (B, 1, S, DV),
-         dict(enable_gqa=True, is_causal=True)),
-        ("GQA, broadcast batch of q", (6, T, DK), (B, 2, S, DK), (B, 2, S, DV),
-         dict(enable_gqa=True, attn_mask=padding)),
+        (
+            "GQA Hq=6 Hkv=2, per-head mask",
+            (B, 6, T, DK),
+            (B, 2, S, DK),
+            (B, 2, S, DV),
+            dict(enable_gqa=True, attn_mask=rng.random((B, 6, T, S)) < 0.7),
+        ),
+        (
+            "GQA Hq=6 Hkv=1, causal",
+            (B, 6, T, DK),
+            (B, 1, S, DK),
+            (B, 1, S, DV),
+            dict(enable_gqa=True, is_causal=True),
+        ),
+        (
+            "GQA, broadcast batch of q",
+            (6, T, DK),
+            (B, 2, S, DK),
+            (B, 2, S, DV),
+            dict(enable_gqa=True, attn_mask=padding),
+        ),
     ]
 
 
@@ -161,10 +199,20 @@ def test_matches_torch_autograd_float64(torch, rng, case, impl):
 @pytest.mark.torch
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize(
-    "name", ["plain", "T>S", "float (1,H,1,S) with -inf", "causal top-left T>S",
-             "causal bottom-right T<S", "window (1, 0)", "fully masked rows, bool",
-             "fully masked rows, float", "GQA Hq=6 Hkv=2, per-head mask",
-             "broadcast q (H,T,Dk)", "broadcast k (1,H,S,Dk), v (B,1,S,Dv)"]
+    "name",
+    [
+        "plain",
+        "T>S",
+        "float (1,H,1,S) with -inf",
+        "causal top-left T>S",
+        "causal bottom-right T<S",
+        "window (1, 0)",
+        "fully masked rows, bool",
+        "fully masked rows, float",
+        "GQA Hq=6 Hkv=2, per-head mask",
+        "broadcast q (H,T,Dk)",
+        "broadcast k (1,H,S,Dk), v (B,1,S,Dv)",
+    ],
 )
 def test_matches_torch_autograd_float32(torch, rng, name, impl):
     _, q_shape, k_shape, v_shape, options = next(c for c in CASES if c[0] == name)
@@ -265,7 +313,9 @@ def test_hand_computed_two_keys():
     d_q, d_k, d_v = attention_backward(np.ones((1, 1)), q, k, v, scale=1.0)
     np.testing.assert_allclose(d_v, [[p], [1 - p]], rtol=1e-14)
     np.testing.assert_allclose(d_q, [p * (1 - p) * 2.0 * k[0]], rtol=1e-14)
-    np.testing.assert_allclose(d_k, [p * (1 - p) * 2.0 * q[0], -p * (1 - p) * 2.0 * q[0]], rtol=1e-14)
+    np.testing.assert_allclose(
+        d_k, [p * (1 - p) * 2.0 * q[0], -p * (1 - p) * 2.0 * q[0]], rtol=1e-14
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,8 +340,16 @@ def test_tiled_equals_reference(rng, block_q, block_k, num_threads):
     for mask in (allowed, bias):
         ref = attention_backward(d_out, q, k, v, mask, **options, implementation="reference")
         tiled = attention_backward(
-            d_out, q, k, v, mask, **options, implementation="tiled",
-            block_q=block_q, block_k=block_k, num_threads=num_threads,
+            d_out,
+            q,
+            k,
+            v,
+            mask,
+            **options,
+            implementation="tiled",
+            block_q=block_q,
+            block_k=block_k,
+            num_threads=num_threads,
         )
         for a, b in zip(ref, tiled):
             np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-13)
@@ -347,16 +405,23 @@ def test_auto_tiles_exactly_when_the_forward_pass_does(rng, monkeypatch):
     forward_calls, backward_calls = [], []
     real_forward, real_backward = sdpa.attention.attention_tiled, backward.backward_tiled
     monkeypatch.setattr(
-        sdpa.attention, "attention_tiled",
+        sdpa.attention,
+        "attention_tiled",
         lambda *a, **kw: forward_calls.append(1) or real_forward(*a, **kw),
     )
     monkeypatch.setattr(
-        backward, "backward_tiled",
+        backward,
+        "backward_tiled",
         lambda *a, **kw: backward_calls.append(1) or real_backward(*a, **kw),
     )
     decisions = set()
-    for heads, kv_heads, T_, S_ in ((1, 1, 64, 512), (1, 1, 512, 512), (2, 2, 300, 512),
-                                    (4, 2, 512, 512), (2048, 2048, 8, 8)):
+    for heads, kv_heads, T_, S_ in (
+        (1, 1, 64, 512),
+        (1, 1, 512, 512),
+        (2, 2, 300, 512),
+        (4, 2, 512, 512),
+        (2048, 2048, 8, 8),
+    ):
         q, d_out = randn(rng, heads, T_, 2), randn(rng, heads, T_, 3)
         k, v = randn(rng, kv_heads, S_, 2), randn(rng, kv_heads, S_, 3)
         opts = dict(enable_gqa=heads != kv_heads, is_causal=True)
@@ -416,7 +481,10 @@ def test_empty_keys_and_queries(rng, implementation):
     np.testing.assert_array_equal(d_q, np.zeros((3, 4)))
     assert d_k.shape == (0, 4) and d_v.shape == (0, 2)
     d_q, d_k, d_v = attention_backward(
-        np.ones((0, 2)), np.zeros((0, 4)), randn(rng, 5, 4), randn(rng, 5, 2),
+        np.ones((0, 2)),
+        np.zeros((0, 4)),
+        randn(rng, 5, 4),
+        randn(rng, 5, 2),
         implementation=implementation,
     )
     assert d_q.shape == (0, 4)
@@ -446,7 +514,12 @@ def test_float16_computes_in_float32(rng, implementation):
 
 
 def test_inputs_are_not_modified(rng):
-    arrays = [randn(rng, H, T, DK), randn(rng, H, S, DK), randn(rng, H, S, DV), randn(rng, H, T, DV)]
+    arrays = [
+        randn(rng, H, T, DK),
+        randn(rng, H, S, DK),
+        randn(rng, H, S, DV),
+        randn(rng, H, T, DV),
+    ]
     for a in arrays:
         a.flags.writeable = False
     q, k, v, d_out = arrays
@@ -461,7 +534,9 @@ def test_inputs_are_not_modified(rng):
 
 
 def test_lists_are_accepted():
-    d_q, d_k, d_v = attention_backward([[1.0]], [[0.0, 1.0]], [[1.0, 1.0], [0.0, 1.0]], [[1.0], [0.0]])
+    d_q, d_k, d_v = attention_backward(
+        [[1.0]], [[0.0, 1.0]], [[1.0, 1.0], [0.0, 1.0]], [[1.0], [0.0]]
+    )
     assert d_q.shape == (1, 2) and d_k.shape == (2, 2) and d_v.shape == (2, 1)
 
 
@@ -476,12 +551,16 @@ def qkv(rng):
 
 
 def test_error_d_out_shape(qkv):
-    with pytest.raises(ValueError, match=r"d_out must have the shape .* \(3, 5, 6\); got d_out.shape=\(5, 6\)"):
+    with pytest.raises(
+        ValueError, match=r"d_out must have the shape .* \(3, 5, 6\); got d_out.shape=\(5, 6\)"
+    ):
         attention_backward(np.ones((T, DV)), *qkv)
 
 
 def test_error_out_without_lse(qkv):
-    with pytest.raises(ValueError, match="out and lse must be given together .* got out without lse"):
+    with pytest.raises(
+        ValueError, match="out and lse must be given together .* got out without lse"
+    ):
         attention_backward(np.ones((H, T, DV)), *qkv, out=np.ones((H, T, DV)))
 
 
@@ -496,7 +575,9 @@ def test_error_out_shape(qkv):
 
 
 def test_error_lse_shape(qkv):
-    with pytest.raises(ValueError, match=r"lse must have the shape .* \(3, 5\); got lse.shape=\(3, 5, 1\)"):
+    with pytest.raises(
+        ValueError, match=r"lse must have the shape .* \(3, 5\); got lse.shape=\(3, 5, 1\)"
+    ):
         attention_backward(
             np.ones((H, T, DV)), *qkv, out=np.ones((H, T, DV)), lse=np.ones((H, T, 1))
         )

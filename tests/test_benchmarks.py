@@ -60,8 +60,10 @@ def test_out_is_created_first_and_must_be_a_directory(run, capsys, tmp_path):
     blocker.write_text("")
     with pytest.raises(SystemExit, match="^2$"):
         run.parse_args(["--out", str(blocker / "results")])
-    assert (f"--out {blocker / 'results'}: cannot create or write this directory"
-            in capsys.readouterr().err)
+    assert (
+        f"--out {blocker / 'results'}: cannot create or write this directory"
+        in capsys.readouterr().err
+    )
 
 
 def test_default_output_is_untracked(run):
@@ -85,7 +87,9 @@ def test_make_bench_pins_torch_and_writes_to_build():
     assert "sys.exit(torch.__version__.split('+')[0] != '2.13.0')" in dry  # ... unless there
     assert "benchmarks/run.py --out _build/bench" in dry
     dry = subprocess.run(
-        ["make", "-n", "bench", "REFRESH=1", "VPY=python"], cwd=REPO, capture_output=True,
+        ["make", "-n", "bench", "REFRESH=1", "VPY=python"],
+        cwd=REPO,
+        capture_output=True,
         text=True,
     ).stdout
     assert "benchmarks/run.py --refresh" in dry
@@ -101,9 +105,18 @@ def test_make_serve_on_a_busy_port_prints_one_clear_line(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            ["make", "-s", "serve", f"PORT={port}", f"BUILDDIR={tmp_path}",
-             f"PYTHON={sys.executable}"],
-            cwd=REPO, capture_output=True, text=True, timeout=30,
+            [
+                "make",
+                "-s",
+                "serve",
+                f"PORT={port}",
+                f"BUILDDIR={tmp_path}",
+                f"PYTHON={sys.executable}",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     assert result.returncode != 0
     assert "Traceback" not in result.stdout + result.stderr

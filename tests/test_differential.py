@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
 from references import band_by_loop
+
 from sdpa import KVCache, elu_feature_map, linear_attention
 from sdpa import scaled_dot_product_attention as attention
 from sdpa import scaled_dot_product_attention_backward as attention_backward
@@ -114,8 +114,18 @@ def problems(draw):
     n_units = math.prod(weights_shape[:-2]) * -(-T // block_q)
     assume(n_units * -(-S // block_k) <= 3000)  # keep every example small
     return dict(
-        q=q, k=k, v=v, mask=mask, is_causal=is_causal, alignment=alignment, window=window,
-        gqa=gqa, block_q=block_q, block_k=block_k, dtype=dtype, seed=seed,
+        q=q,
+        k=k,
+        v=v,
+        mask=mask,
+        is_causal=is_causal,
+        alignment=alignment,
+        window=window,
+        gqa=gqa,
+        block_q=block_q,
+        block_k=block_k,
+        dtype=dtype,
+        seed=seed,
     )
 
 
@@ -124,11 +134,17 @@ def _float_mask(draw, rng, shape, dtype):
     bias_dtype = np.float32 if dtype == np.float16 else dtype  # the working dtype
     fill = draw(st.sampled_from(["finfo.min", "-1e9", "-inf", "0", "normal"]))
     fill = {
-        "finfo.min": np.finfo(bias_dtype).min, "-1e9": -1e9, "-inf": -np.inf, "0": 0.0,
+        "finfo.min": np.finfo(bias_dtype).min,
+        "-1e9": -1e9,
+        "-inf": -np.inf,
+        "0": 0.0,
         "normal": None,
     }[fill]
-    bias = rng.standard_normal(shape).astype(bias_dtype) if fill is None else np.zeros(
-        shape, bias_dtype)
+    bias = (
+        rng.standard_normal(shape).astype(bias_dtype)
+        if fill is None
+        else np.zeros(shape, bias_dtype)
+    )
     fill = -np.inf if fill is None else fill
     S_ = shape[-1]
     pattern = draw(st.sampled_from(["rows", "tiles", "left padding", "right padding", "random"]))
@@ -151,7 +167,9 @@ def _float_mask(draw, rng, shape, dtype):
 
 def options(p):
     return dict(
-        is_causal=p["is_causal"], causal_alignment=p["alignment"], window=p["window"],
+        is_causal=p["is_causal"],
+        causal_alignment=p["alignment"],
+        window=p["window"],
         enable_gqa=p["gqa"],
     )
 
@@ -177,8 +195,9 @@ def assert_close(got, want, tol, what):
 @given(p=problems())
 def test_tiled_equals_reference_forward_and_backward(p):
     tol = FORWARD_TOL[p["dtype"]]
-    want = attention(p["q"], p["k"], p["v"], p["mask"], implementation="reference",
-                     return_lse=True, **options(p))
+    want = attention(
+        p["q"], p["k"], p["v"], p["mask"], implementation="reference", return_lse=True, **options(p)
+    )
     got = tiled_forward(p)
     for g, w, what in zip(got, want, ("out", "lse")):
         assert not np.isnan(g).any(), what
@@ -187,16 +206,27 @@ def test_tiled_equals_reference_forward_and_backward(p):
     d_out = np.random.default_rng(p["seed"] + 1).standard_normal(want[0].shape)
     d_out = d_out.astype(p["dtype"])
     kwargs = dict(options(p), block_q=p["block_q"], block_k=p["block_k"])
-    grads_tiled = attention_backward(d_out, p["q"], p["k"], p["v"], p["mask"],
-                                     implementation="tiled", **kwargs)
-    grads_ref = attention_backward(d_out, p["q"], p["k"], p["v"], p["mask"],
-                                   implementation="reference", **kwargs)
+    grads_tiled = attention_backward(
+        d_out, p["q"], p["k"], p["v"], p["mask"], implementation="tiled", **kwargs
+    )
+    grads_ref = attention_backward(
+        d_out, p["q"], p["k"], p["v"], p["mask"], implementation="reference", **kwargs
+    )
     for g, w, what in zip(grads_tiled, grads_ref, ("d_query", "d_key", "d_value")):
         scale = float(np.abs(w).max()) if w.size else 0.0
         assert_close(g, w, backward_tol(p["dtype"], scale), what)
     # Given the forward pass's out and lse, the backward pass rebuilds the same weights.
-    given_tiled = attention_backward(d_out, p["q"], p["k"], p["v"], p["mask"], out=got[0],
-                                     lse=got[1], implementation="tiled", **kwargs)
+    given_tiled = attention_backward(
+        d_out,
+        p["q"],
+        p["k"],
+        p["v"],
+        p["mask"],
+        out=got[0],
+        lse=got[1],
+        implementation="tiled",
+        **kwargs,
+    )
     for g, w, what in zip(given_tiled, grads_ref, ("d_query", "d_key", "d_value")):
         scale = float(np.abs(w).max()) if w.size else 0.0
         assert_close(g, w, backward_tol(p["dtype"], 4 * scale), what + " from out, lse")
@@ -228,7 +258,9 @@ def test_both_paths_agree_with_torch(torch, p):
     qf = np.ascontiguousarray(np.broadcast_to(q, (*full, T, q.shape[-1])))
     kf = np.ascontiguousarray(np.broadcast_to(k, (*kv_full, S, k.shape[-1])))
     vf = np.ascontiguousarray(np.broadcast_to(v, (*kv_full, S, v.shape[-1])))
-    band = band_by_loop(T, S, is_causal=p["is_causal"], window=p["window"], alignment=p["alignment"])
+    band = band_by_loop(
+        T, S, is_causal=p["is_causal"], window=p["window"], alignment=p["alignment"]
+    )
     mask = p["mask"]
     if mask is None:
         mask = band
@@ -252,20 +284,33 @@ def test_both_paths_agree_with_torch(torch, p):
     # rows whose every key carries finfo.min, lse = finfo.min + log(S) rounds to finfo.min and
     # every weight becomes 1 instead of 1/S (its gradients are then S times too large). Ours
     # are exact there (see test_backward.py); such rows are compared with the reference only.
-    _, lse = attention(q, k, v, p["mask"], implementation="reference", return_lse=True,
-                       **options(p))
+    _, lse = attention(
+        q, k, v, p["mask"], implementation="reference", return_lse=True, **options(p)
+    )
     torch_backward_exact = not (np.abs(lse[np.isfinite(lse)]) > 64).any()
     for implementation in ("reference", "tiled"):
         ours = attention(q, k, v, p["mask"], implementation=implementation, **options(p))
         np.testing.assert_allclose(ours, theirs, err_msg=implementation, **tol)
         if not torch_backward_exact:
             continue
-        grads = attention_backward(d_out, q, k, v, p["mask"], implementation=implementation,
-                                   block_q=p["block_q"], block_k=p["block_k"], **options(p))
+        grads = attention_backward(
+            d_out,
+            q,
+            k,
+            v,
+            p["mask"],
+            implementation=implementation,
+            block_q=p["block_q"],
+            block_k=p["block_k"],
+            **options(p),
+        )
         for g, w, what in zip(grads, grads_t, ("d_query", "d_key", "d_value")):
             scale = float(np.abs(w).max()) if w.size else 0.0
             np.testing.assert_allclose(
-                g, w, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, scale),
+                g,
+                w,
+                rtol=tol["rtol"],
+                atol=tol["atol"] * max(1.0, scale),
                 err_msg=f"{implementation} {what}",
             )
 
@@ -281,11 +326,18 @@ def relu_eps(x):
 
 @settings(max_examples=60, **SETTINGS)
 @given(
-    T=st.integers(0, 12), S=st.integers(0, 12), Dk=st.integers(1, 5), Dv=st.integers(1, 5),
-    n_lead=st.integers(0, 2), data=st.data(),
-    is_causal=st.booleans(), alignment=st.sampled_from(["top_left", "bottom_right"]),
-    chunk_size=st.sampled_from([1, 2, 3, 64]), eps=st.sampled_from([0.0, 1e-6, 0.5]),
-    feature_map=st.sampled_from([None, relu_eps]), dtype=st.sampled_from([np.float32, np.float64]),
+    T=st.integers(0, 12),
+    S=st.integers(0, 12),
+    Dk=st.integers(1, 5),
+    Dv=st.integers(1, 5),
+    n_lead=st.integers(0, 2),
+    data=st.data(),
+    is_causal=st.booleans(),
+    alignment=st.sampled_from(["top_left", "bottom_right"]),
+    chunk_size=st.sampled_from([1, 2, 3, 64]),
+    eps=st.sampled_from([0.0, 1e-6, 0.5]),
+    feature_map=st.sampled_from([None, relu_eps]),
+    dtype=st.sampled_from([np.float32, np.float64]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_linear_attention_equals_its_quadratic_form(
@@ -297,8 +349,16 @@ def test_linear_attention_equals_its_quadratic_form(
     q = rng.standard_normal((*leads[0], T, Dk)).astype(dtype)
     k = rng.standard_normal((*leads[1], S, Dk)).astype(dtype)
     v = rng.standard_normal((*leads[2], S, Dv)).astype(dtype)
-    out = linear_attention(q, k, v, is_causal=is_causal, causal_alignment=alignment,
-                           feature_map=feature_map, eps=eps, chunk_size=chunk_size)
+    out = linear_attention(
+        q,
+        k,
+        v,
+        is_causal=is_causal,
+        causal_alignment=alignment,
+        feature_map=feature_map,
+        eps=eps,
+        chunk_size=chunk_size,
+    )
     # The quadratic form, in float64: sim = phi(Q) phi(K)^T, masked, normalised row by row.
     phi = elu_feature_map if feature_map is None else feature_map
     sim = phi(q.astype(np.float64)) @ np.swapaxes(phi(k.astype(np.float64)), -1, -2)
@@ -306,8 +366,9 @@ def test_linear_attention_equals_its_quadratic_form(
         sim = np.where(band_by_loop(T, S, is_causal=True, alignment=alignment), sim, 0.0)
     den = sim.sum(axis=-1, keepdims=True) + eps
     num = sim @ v.astype(np.float64)
-    want = np.divide(num, den, out=np.zeros(np.broadcast_shapes(num.shape, den.shape)),
-                     where=den > 0)
+    want = np.divide(
+        num, den, out=np.zeros(np.broadcast_shapes(num.shape, den.shape)), where=den > 0
+    )
     assert out.shape == want.shape and out.dtype == dtype
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out, want, **tol)
@@ -320,11 +381,18 @@ def test_linear_attention_equals_its_quadratic_form(
 
 @settings(max_examples=40, **SETTINGS)
 @given(
-    B=st.integers(1, 2), Hkv=st.integers(1, 3), G=st.integers(1, 3), D=st.integers(1, 6),
-    Dv=st.integers(1, 5), prompt=st.integers(1, 9), steps=st.lists(st.integers(1, 4), max_size=5),
-    crop=st.one_of(st.none(), st.integers(0, 8)), capacity=st.integers(1, 8),
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 3),
+    G=st.integers(1, 3),
+    D=st.integers(1, 6),
+    Dv=st.integers(1, 5),
+    prompt=st.integers(1, 9),
+    steps=st.lists(st.integers(1, 4), max_size=5),
+    crop=st.one_of(st.none(), st.integers(0, 8)),
+    capacity=st.integers(1, 8),
     window=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.just(0))),
-    dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
 )
 def test_kv_cache_decoding_equals_causal_attention(
     B, Hkv, G, D, Dv, prompt, steps, crop, capacity, window, dtype, seed
@@ -348,7 +416,8 @@ def test_kv_cache_decoding_equals_causal_attention(
     if crop is not None:
         np.testing.assert_array_equal(viewed, before)  # views never change
     got = np.concatenate(outs, axis=2)
-    want = attention(q, k, v, is_causal=True, enable_gqa=G > 1, window=window,
-                     implementation="reference")
+    want = attention(
+        q, k, v, is_causal=True, enable_gqa=G > 1, window=window, implementation="reference"
+    )
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, want, **tol)

@@ -72,7 +72,9 @@ def test_gradcheck_accepts_a_correct_vjp_and_rejects_a_wrong_one(rng):
 
     assert gradcheck(f, vjp, (x, w)) is True
     assert gradcheck(f, off_by_a_little, (x, w), raise_exception=False) is False
-    with pytest.raises(AssertionError, match=r"gradcheck failed .*\nargument 1: 8 of 8 entries differ"):
+    with pytest.raises(
+        AssertionError, match=r"gradcheck failed .*\nargument 1: 8 of 8 entries differ"
+    ):
         gradcheck(f, off_by_a_little, (x, w))
     # the worst entry is reported as plain numbers, not NumPy scalar reprs
     with pytest.raises(AssertionError, match=r"analytic -?\d\.\d+(e-?\d+)?, numeric -?\d\.\d+"):
@@ -114,7 +116,11 @@ def identity_vjp(d, a):
 
 # One raising call per case: (exception, message pattern, the call).
 ERRORS = {
-    "f not callable": (TypeError, "f must be callable; got int", lambda: numerical_gradient(3, (X,))),
+    "f not callable": (
+        TypeError,
+        "f must be callable; got int",
+        lambda: numerical_gradient(3, (X,)),
+    ),
     "args a set": (
         TypeError,
         "args must be an array or a tuple or list of .*; got set",

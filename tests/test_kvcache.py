@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from references import attention_loop_2d, band_by_loop
-from sdpa import KVCache, MultiHeadAttention, merge_heads, scaled_dot_product_attention, split_heads
+
+from sdpa import KVCache, MultiHeadAttention, merge_heads, split_heads
 
 
 def chunks_of(n, sizes):
@@ -36,7 +36,9 @@ def test_decoding_equals_full_causal_attention(rng, Hq, Hkv, schedule):
     for b in range(B):
         for h in range(Hq):
             causal = band_by_loop(q.shape[2], q.shape[2], is_causal=True)
-            ref = attention_loop_2d(q[b, h], k[b, h // G], v[b, h // G], causal, scale=1 / np.sqrt(Dk))[0]
+            ref = attention_loop_2d(
+                q[b, h], k[b, h // G], v[b, h // G], causal, scale=1 / np.sqrt(Dk)
+            )[0]
             np.testing.assert_allclose(got[b, h], ref, rtol=1e-12, atol=1e-12)
 
 
@@ -108,8 +110,9 @@ def test_sliding_window_decoding(rng):
         lo = max(0, t - w + 1)
         s = q[0, 0, t] @ k[0, 0, lo : t + 1].T / np.sqrt(D)
         p = np.exp(s - s.max())
-        np.testing.assert_allclose(outs[t][0, 0, 0], (p / p.sum()) @ v[0, 0, lo : t + 1],
-                                   rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            outs[t][0, 0, 0], (p / p.sum()) @ v[0, 0, lo : t + 1], rtol=1e-12, atol=1e-12
+        )
 
 
 def test_return_lse(rng):
@@ -278,7 +281,8 @@ def test_error_attend_return_lse_not_bool():
 
 def test_error_dtype_not_a_dtype():
     with pytest.raises(
-        TypeError, match=r"dtype must be a floating dtype \(float16, float32 or float64\); got 'nons"
+        TypeError,
+        match=r"dtype must be a floating dtype \(float16, float32 or float64\); got 'nons",
     ):
         KVCache(1, 1, 2, dtype="nonsense")
 
@@ -297,15 +301,21 @@ def test_error_layer_not_int():
 
 def test_error_key_heads_mismatch():
     cache = KVCache(1, 2, 4, batch_size=3)
-    with pytest.raises(ValueError, match=r"key must have shape \(B, Hkv, T, D\) = \(3, 2, T, 4\).*"
-                                         r"got key.shape=\(3, 4, 1, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"key must have shape \(B, Hkv, T, D\) = \(3, 2, T, 4\).*"
+        r"got key.shape=\(3, 4, 1, 4\)",
+    ):
         cache.append(0, np.ones((3, 4, 1, 4)), np.ones((3, 2, 1, 4)))
 
 
 def test_error_value_width_mismatch():
     cache = KVCache(1, 2, 4, value_dim=3)
-    with pytest.raises(ValueError, match=r"value must have shape .* \(1, 2, T, 3\).*"
-                                         r"got value.shape=\(1, 2, 1, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"value must have shape .* \(1, 2, T, 3\).*"
+        r"got value.shape=\(1, 2, 1, 4\)",
+    ):
         cache.append(0, np.ones((1, 2, 1, 4)), np.ones((1, 2, 1, 4)))
 
 
@@ -318,14 +328,18 @@ def test_error_key_value_token_count_mismatch():
 def test_error_query_width_mismatch():
     cache = KVCache(1, 1, 2)
     cache.append(0, np.ones((1, 1, 2, 2)), np.ones((1, 1, 2, 2)))
-    with pytest.raises(ValueError, match=r"query must have shape \(B, Hq, T, Dk\) = \(1, Hq, T, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"query must have shape \(B, Hq, T, Dk\) = \(1, Hq, T, 2\)"
+    ):
         cache.attend(0, np.ones((1, 1, 1, 3)))
 
 
 def test_error_query_heads_not_multiple():
     cache = KVCache(1, 2, 2)
     cache.append(0, np.ones((1, 2, 2, 2)), np.ones((1, 2, 2, 2)))
-    with pytest.raises(ValueError, match=r"multiple of the cache's n_kv_heads=2; got query.shape=\(1, 3"):
+    with pytest.raises(
+        ValueError, match=r"multiple of the cache's n_kv_heads=2; got query.shape=\(1, 3"
+    ):
         cache.attend(0, np.ones((1, 3, 1, 2)))
 
 

@@ -88,13 +88,16 @@ def test_no_import_inside_a_function():
 
 # -- outside the package ------------------------------------------------------------------
 
+
 def code_of(path: Path) -> str:
     """The Python of a test, a benchmark, or a book page's code cells."""
     text = path.read_text()
     if path.suffix == ".md":
         cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
         # Each cell may open with options: ":key: value" lines or a "---" YAML block.
-        cells = [re.sub(r"\A(---\n.*?\n---\n|(:[^\n]*\n)+)", "", cell, flags=re.DOTALL) for cell in cells]
+        cells = [
+            re.sub(r"\A(---\n.*?\n---\n|(:[^\n]*\n)+)", "", cell, flags=re.DOTALL) for cell in cells
+        ]
         return "\n".join(cells)
     return text
 
@@ -196,4 +199,6 @@ def test_every_public_module_is_on_the_api_page():
             continue
         documented = f"automodule:: sdpa.{module}" in page
         in_sdpa = all(name in importlib.import_module("sdpa").__all__ for name in exported)
-        assert documented or in_sdpa, f"sdpa.{module} exports {exported}: document it on the API page"
+        assert documented or in_sdpa, (
+            f"sdpa.{module} exports {exported}: document it on the API page"
+        )

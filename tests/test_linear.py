@@ -56,9 +56,16 @@ def test_noncausal_equals_quadratic_form(rng, T, S):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 64])
-@pytest.mark.parametrize("T,S,alignment", [(9, 9, "top_left"), (5, 9, "bottom_right"),
-                                           (9, 5, "bottom_right"), (5, 9, "top_left"),
-                                           (9, 5, "top_left")])
+@pytest.mark.parametrize(
+    "T,S,alignment",
+    [
+        (9, 9, "top_left"),
+        (5, 9, "bottom_right"),
+        (9, 5, "bottom_right"),
+        (5, 9, "top_left"),
+        (9, 5, "top_left"),
+    ],
+)
 def test_causal_equals_masked_quadratic_form(rng, chunk_size, T, S, alignment):
     q = rng.standard_normal((T, 3))
     k = rng.standard_normal((S, 3))
@@ -68,8 +75,10 @@ def test_causal_equals_masked_quadratic_form(rng, chunk_size, T, S, alignment):
         q, k, v, is_causal=True, causal_alignment=alignment, chunk_size=chunk_size
     )
     np.testing.assert_allclose(
-        got, quadratic_form(q, k, v, elu1_by_hand, causal=True, offset=offset),
-        rtol=1e-12, atol=1e-13,
+        got,
+        quadratic_form(q, k, v, elu1_by_hand, causal=True, offset=offset),
+        rtol=1e-12,
+        atol=1e-13,
     )
 
 
@@ -104,12 +113,16 @@ def test_custom_feature_map_and_width_change(rng):
     k = rng.standard_normal((6, 3))
     v = rng.standard_normal((6, 2))
     np.testing.assert_allclose(
-        linear_attention(q, k, v, feature_map=phi), quadratic_form(q, k, v, phi),
-        rtol=1e-12, atol=1e-13,
+        linear_attention(q, k, v, feature_map=phi),
+        quadratic_form(q, k, v, phi),
+        rtol=1e-12,
+        atol=1e-13,
     )
     np.testing.assert_allclose(
         linear_attention(q, k, v, feature_map=phi, is_causal=True, chunk_size=2),
-        quadratic_form(q, k, v, phi, causal=True), rtol=1e-12, atol=1e-13,
+        quadratic_form(q, k, v, phi, causal=True),
+        rtol=1e-12,
+        atol=1e-13,
     )
 
 
@@ -131,19 +144,19 @@ def test_broadcasting_leading_dims(rng, is_causal):
     q = rng.standard_normal((2, 3, 5, 4))  # (B, H, T, Dk)
     k = rng.standard_normal((1, 3, 6, 4))  # broadcasts over B
     v = rng.standard_normal((2, 1, 6, 2))  # broadcasts over H
-    out = linear_attention(q, k, v, is_causal=is_causal, causal_alignment="bottom_right",
-                           chunk_size=2)
+    out = linear_attention(
+        q, k, v, is_causal=is_causal, causal_alignment="bottom_right", chunk_size=2
+    )
     assert out.shape == (2, 3, 5, 2)
     for b in range(2):
         for h in range(3):
-            ref = quadratic_form(q[b, h], k[0, h], v[b, 0], elu1_by_hand, causal=is_causal,
-                                 offset=1)
+            ref = quadratic_form(
+                q[b, h], k[0, h], v[b, 0], elu1_by_hand, causal=is_causal, offset=1
+            )
             np.testing.assert_allclose(out[b, h], ref, rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize(
-    "dtype,tol", [(np.float16, 2e-3), (np.float32, 2e-6), (np.float64, 1e-13)]
-)
+@pytest.mark.parametrize("dtype,tol", [(np.float16, 2e-3), (np.float32, 2e-6), (np.float64, 1e-13)])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_dtypes_preserved_and_accurate(rng, dtype, tol, is_causal):
     q, k, v = (rng.standard_normal((7, 4)).astype(dtype) for _ in range(3))
@@ -162,8 +175,9 @@ def test_features_far_from_one_neither_overflow_nor_underflow(rng, is_causal, si
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((6, 4), (9, 4), (9, 3)))
     out = linear_attention(q, k, v, feature_map=phi, is_causal=is_causal, eps=0.0)
     assert out.dtype == np.float32 and np.isfinite(out).all()
-    want = quadratic_form(*(a.astype(np.float64) for a in (q, k, v)), phi, causal=is_causal,
-                          eps=0.0)
+    want = quadratic_form(
+        *(a.astype(np.float64) for a in (q, k, v)), phi, causal=is_causal, eps=0.0
+    )
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
@@ -209,7 +223,9 @@ def test_error_too_few_dims():
 
 
 def test_error_leading_dims_do_not_broadcast():
-    with pytest.raises(ValueError, match="leading dimensions of query, key and value must broadcast"):
+    with pytest.raises(
+        ValueError, match="leading dimensions of query, key and value must broadcast"
+    ):
         linear_attention(np.ones((2, 4, 3)), np.ones((3, 5, 3)), np.ones((3, 5, 2)))
 
 
@@ -239,22 +255,30 @@ def test_error_feature_map_negative():
 
 
 def test_error_feature_map_wrong_shape():
-    with pytest.raises(ValueError, match=r"keeping every axis but the last; got query.shape=\(2, 2\)"):
-        linear_attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)),
-                         feature_map=lambda x: np.ones(3))
+    with pytest.raises(
+        ValueError, match=r"keeping every axis but the last; got query.shape=\(2, 2\)"
+    ):
+        linear_attention(
+            np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), feature_map=lambda x: np.ones(3)
+        )
 
 
 def test_error_feature_map_not_real():
     with pytest.raises(TypeError, match="feature_map must return a real array"):
-        linear_attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)),
-                         feature_map=lambda x: x.astype(complex))
+        linear_attention(
+            np.ones((2, 2)),
+            np.ones((2, 2)),
+            np.ones((2, 2)),
+            feature_map=lambda x: x.astype(complex),
+        )
 
 
 def test_error_feature_widths_differ():
     calls = iter([np.ones((2, 3)), np.ones((2, 4))])
     with pytest.raises(ValueError, match="same feature width F; got 3 and 4"):
-        linear_attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)),
-                         feature_map=lambda x: next(calls))
+        linear_attention(
+            np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), feature_map=lambda x: next(calls)
+        )
 
 
 @pytest.mark.parametrize("eps", [-1e-6, float("nan"), float("inf")])
@@ -271,5 +295,6 @@ def test_error_eps_not_real():
 @pytest.mark.parametrize("chunk_size,exc", [(0, ValueError), (-1, ValueError), (2.0, TypeError)])
 def test_error_bad_chunk_size(chunk_size, exc):
     with pytest.raises(exc, match="chunk_size must be a"):
-        linear_attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), is_causal=True,
-                         chunk_size=chunk_size)
+        linear_attention(
+            np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), is_causal=True, chunk_size=chunk_size
+        )

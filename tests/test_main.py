@@ -47,7 +47,9 @@ def matrix_after(text: str, marker: str, n_rows: int) -> np.ndarray:
     """The numbers of the ``n_rows`` lines printed after the header line that follows ``marker``."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if marker in line) + 2  # skip the column labels
-    return np.array([[float(x) for x in line.split()[1:]] for line in lines[start:start + n_rows]])
+    return np.array(
+        [[float(x) for x in line.split()[1:]] for line in lines[start : start + n_rows]]
+    )
 
 
 def test_module_prints_the_five_demos_in_order(demo_output):
@@ -88,7 +90,7 @@ def test_seed_changes_the_random_demos_but_not_the_sentence(capsys):
     main(["--seed", "0"])
     default = capsys.readouterr().out
     assert other != default
-    sentence = lambda text: text[text.index(HEADERS[-1]):]  # noqa: E731
+    sentence = lambda text: text[text.index(HEADERS[-1]) :]  # noqa: E731
     assert sentence(other) == sentence(default)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from references import band_by_loop
+
 from sdpa import causal_mask, padding_mask, sliding_window_mask
 
 SIZES = [(0, 0), (1, 1), (3, 3), (3, 7), (7, 3), (5, 11), (11, 5), (0, 5), (5, 0)]
@@ -53,8 +53,9 @@ def test_sliding_window_mask_matches_double_loop(T, S, window, alignment):
 def test_sliding_window_by_hand():
     expected = np.array([[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]], dtype=bool)
     np.testing.assert_array_equal(sliding_window_mask(3, 4, (1, 1)), expected)
-    np.testing.assert_array_equal(sliding_window_mask(2, 4, [0, 0], alignment="bottom_right"),
-                                  [[0, 0, 1, 0], [0, 0, 0, 1]])
+    np.testing.assert_array_equal(
+        sliding_window_mask(2, 4, [0, 0], alignment="bottom_right"), [[0, 0, 1, 0], [0, 0, 0, 1]]
+    )
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
@@ -111,10 +112,13 @@ def test_negative_size_raises():
         causal_mask(3, -1)
 
 
-@pytest.mark.parametrize("f", [
-    lambda: causal_mask(3, alignment="bottom-right"),
-    lambda: sliding_window_mask(3, 3, (1, 0), alignment="left"),
-])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda: causal_mask(3, alignment="bottom-right"),
+        lambda: sliding_window_mask(3, 3, (1, 0), alignment="left"),
+    ],
+)
 def test_bad_alignment_raises(f):
     with pytest.raises(ValueError, match=r"alignment must be 'top_left' or 'bottom_right'; got"):
         f()

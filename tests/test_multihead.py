@@ -34,9 +34,9 @@ def loop_multihead(mha, x_q, x_kv_k, x_kv_v, allowed=None):
         heads, weights_b = [], []
         for h in range(Hq):
             g = h // G
-            q = x_q[b] @ mha.W_q[:, h * Dk:(h + 1) * Dk] + b_q[h * Dk:(h + 1) * Dk]
-            k = x_kv_k[b] @ mha.W_k[:, g * Dk:(g + 1) * Dk] + b_k[g * Dk:(g + 1) * Dk]
-            v = x_kv_v[b] @ mha.W_v[:, g * Dv:(g + 1) * Dv] + b_v[g * Dv:(g + 1) * Dv]
+            q = x_q[b] @ mha.W_q[:, h * Dk : (h + 1) * Dk] + b_q[h * Dk : (h + 1) * Dk]
+            k = x_kv_k[b] @ mha.W_k[:, g * Dk : (g + 1) * Dk] + b_k[g * Dk : (g + 1) * Dk]
+            v = x_kv_v[b] @ mha.W_v[:, g * Dv : (g + 1) * Dv] + b_v[g * Dv : (g + 1) * Dv]
             scores = q @ k.T / math.sqrt(Dk)
             if allowed is not None:
                 scores = np.where(allowed, scores, -np.inf)
@@ -56,7 +56,7 @@ def test_split_heads_takes_contiguous_column_blocks(rng):
     heads = split_heads(x, 3)
     assert heads.shape == (B, 3, T, 4)
     for h in range(3):
-        np.testing.assert_array_equal(heads[:, h], x[..., 4 * h:4 * (h + 1)])
+        np.testing.assert_array_equal(heads[:, h], x[..., 4 * h : 4 * (h + 1)])
 
 
 @pytest.mark.parametrize(
@@ -107,11 +107,16 @@ def test_self_attention_matches_per_head_loop(n_heads, n_kv_heads, bias, rng):
 def test_cross_attention_with_other_widths_matches_loop(n_kv_heads, rng):
     E, Ek, Ev, Hq, Dk, Dv, E_out = 11, 5, 7, 3, 4, 2, 13
     mha = MultiHeadAttention(
-        rng.standard_normal((E, Hq * Dk)), rng.standard_normal((Ek, n_kv_heads * Dk)),
-        rng.standard_normal((Ev, n_kv_heads * Dv)), rng.standard_normal((Hq * Dv, E_out)),
-        n_heads=Hq, n_kv_heads=n_kv_heads,
-        b_q=rng.standard_normal(Hq * Dk), b_k=rng.standard_normal(n_kv_heads * Dk),
-        b_v=rng.standard_normal(n_kv_heads * Dv), b_o=rng.standard_normal(E_out),
+        rng.standard_normal((E, Hq * Dk)),
+        rng.standard_normal((Ek, n_kv_heads * Dk)),
+        rng.standard_normal((Ev, n_kv_heads * Dv)),
+        rng.standard_normal((Hq * Dv, E_out)),
+        n_heads=Hq,
+        n_kv_heads=n_kv_heads,
+        b_q=rng.standard_normal(Hq * Dk),
+        b_k=rng.standard_normal(n_kv_heads * Dk),
+        b_v=rng.standard_normal(n_kv_heads * Dv),
+        b_o=rng.standard_normal(E_out),
     )
     assert (mha.head_dim, mha.value_dim) == (Dk, Dv)
     x_q = rng.standard_normal((B, T, E))
@@ -219,7 +224,7 @@ def test_split_heads_needs_a_divisor(n_heads):
     with pytest.raises(
         ValueError,
         match=rf"n_heads={n_heads} must be positive and divide the last axis of x; got "
-              rf"x.shape=\(5, 12\)",
+        rf"x.shape=\(5, 12\)",
     ):
         split_heads(np.zeros((T, 12)), n_heads)
 
@@ -238,8 +243,12 @@ def test_merge_heads_needs_three_dimensions():
 
 
 def weights(E=12, Hq=3, Hkv=3, Dk=4, Dv=4):
-    return dict(W_q=np.zeros((E, Hq * Dk)), W_k=np.zeros((E, Hkv * Dk)),
-                W_v=np.zeros((E, Hkv * Dv)), W_o=np.zeros((Hq * Dv, E)))
+    return dict(
+        W_q=np.zeros((E, Hq * Dk)),
+        W_k=np.zeros((E, Hkv * Dk)),
+        W_v=np.zeros((E, Hkv * Dv)),
+        W_o=np.zeros((Hq * Dv, E)),
+    )
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(0, None), (3, 2), (3, 0)])
@@ -327,7 +336,9 @@ def test_input_width_must_match_projection(which):
 
 
 def test_random_needs_n_heads_dividing_d_model():
-    with pytest.raises(ValueError, match=r"n_heads=5 must divide d_model=12 when head_dim is not given"):
+    with pytest.raises(
+        ValueError, match=r"n_heads=5 must divide d_model=12 when head_dim is not given"
+    ):
         MultiHeadAttention.random(12, 5, rng=np.random.default_rng(0))
 
 
@@ -379,5 +390,7 @@ def test_d_k_and_head_dim_together_are_an_error():
 @pytest.mark.parametrize("old, new", [("d_k", "head_dim"), ("d_v", "value_dim")])
 def test_deprecated_width_attributes(old, new):
     mha = MultiHeadAttention.random(12, 4, head_dim=5, rng=np.random.default_rng(0))
-    with pytest.warns(DeprecationWarning, match=f"MultiHeadAttention.{old} is deprecated .* use {new}"):
+    with pytest.warns(
+        DeprecationWarning, match=f"MultiHeadAttention.{old} is deprecated .* use {new}"
+    ):
         assert getattr(mha, old) == 5

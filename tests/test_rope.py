@@ -128,8 +128,12 @@ def test_hand_computed_single_pair():
 
 def test_cos_sin_tables_hand_values():
     cos, sin = rotary_cos_sin([0, 1, 3], 4, base=100.0)  # theta = (1, 1/10)
-    np.testing.assert_allclose(cos, [[1, 1], [math.cos(1), math.cos(0.1)], [math.cos(3), math.cos(0.3)]], atol=1e-15)
-    np.testing.assert_allclose(sin, [[0, 0], [math.sin(1), math.sin(0.1)], [math.sin(3), math.sin(0.3)]], atol=1e-15)
+    np.testing.assert_allclose(
+        cos, [[1, 1], [math.cos(1), math.cos(0.1)], [math.cos(3), math.cos(0.3)]], atol=1e-15
+    )
+    np.testing.assert_allclose(
+        sin, [[0, 0], [math.sin(1), math.sin(0.1)], [math.sin(3), math.sin(0.3)]], atol=1e-15
+    )
     assert cos.dtype == sin.dtype == np.float64
 
 
@@ -173,7 +177,9 @@ def test_attention_invariant_to_shifting_all_positions(rng):
     pos = np.arange(6)
     outs = [
         sdpa.scaled_dot_product_attention(
-            apply_rotary_embedding(q, pos + shift), apply_rotary_embedding(k, pos + shift), v,
+            apply_rotary_embedding(q, pos + shift),
+            apply_rotary_embedding(k, pos + shift),
+            v,
             is_causal=True,
         )
         for shift in (0, 1000)
@@ -198,19 +204,28 @@ def test_per_sequence_positions_broadcast(rng):
     for b in range(2):
         np.testing.assert_allclose(out[b], neox_rope(x[b], positions[b, 0]), rtol=0, atol=1e-12)
     # a scalar position broadcasts to every row (one decoding step)
-    np.testing.assert_allclose(apply_rotary_embedding(x, 5), neox_rope(x, np.full(4, 5)), atol=1e-12)
+    np.testing.assert_allclose(
+        apply_rotary_embedding(x, 5), neox_rope(x, np.full(4, 5)), atol=1e-12
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # dtypes and inputs
 
 
-@pytest.mark.parametrize("dtype, atol", [(np.float64, 1e-12), (np.float32, 2e-6), (np.float16, 4e-3)])
+@pytest.mark.parametrize(
+    "dtype, atol", [(np.float64, 1e-12), (np.float32, 2e-6), (np.float16, 4e-3)]
+)
 def test_dtype_preserved_and_accurate(rng, dtype, atol):
     x = rng.normal(size=(5, 8))
     out = apply_rotary_embedding(x.astype(dtype), np.arange(5) * 37)
     assert out.dtype == dtype
-    np.testing.assert_allclose(out.astype(np.float64), neox_rope(x.astype(dtype).astype(np.float64), np.arange(5) * 37), rtol=0, atol=atol)
+    np.testing.assert_allclose(
+        out.astype(np.float64),
+        neox_rope(x.astype(dtype).astype(np.float64), np.arange(5) * 37),
+        rtol=0,
+        atol=atol,
+    )
 
 
 def test_integer_input_gives_float64():
@@ -254,7 +269,9 @@ def test_complex_x_raises():
 
 
 def test_positions_not_broadcastable_raises():
-    with pytest.raises(ValueError, match=r"positions must broadcast to x.shape\[:-1\]=\(2, 3\).*\(4,\)"):
+    with pytest.raises(
+        ValueError, match=r"positions must broadcast to x.shape\[:-1\]=\(2, 3\).*\(4,\)"
+    ):
         apply_rotary_embedding(np.zeros((2, 3, 4)), np.arange(4))
 
 
@@ -264,7 +281,9 @@ def test_positions_that_would_enlarge_x_raise():
 
 
 def test_bool_positions_raise():
-    with pytest.raises(TypeError, match="positions must be an array of integers or real numbers; got dtype bool"):
+    with pytest.raises(
+        TypeError, match="positions must be an array of integers or real numbers; got dtype bool"
+    ):
         apply_rotary_embedding(np.zeros((2, 4)), [True, False])
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from references import attention_loop_2d, band_by_loop
-from sdpa import MultiHeadAttention, scaled_dot_product_attention, sliding_window_mask
 
+from sdpa import MultiHeadAttention, scaled_dot_product_attention, sliding_window_mask
 
 WINDOWS = [(2, 0), (0, 2), (1, 3), (3, None), (None, 1), (0, 0), (20, 20)]
 SHAPES = [(7, 7), (5, 9), (9, 5)]
@@ -18,7 +17,8 @@ SHAPES = [(7, 7), (5, 9), (9, 5)]
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 def test_mask_equals_loop(window, T, S, alignment):
     np.testing.assert_array_equal(
-        sliding_window_mask(T, S, window, alignment=alignment), band_by_loop(T, S, window=window, alignment=alignment)
+        sliding_window_mask(T, S, window, alignment=alignment),
+        band_by_loop(T, S, window=window, alignment=alignment),
     )
 
 
@@ -36,7 +36,10 @@ def test_windowed_attention_equals_loop_reference(rng, window, T, S, alignment, 
     allowed = band_by_loop(T, S, window=window, is_causal=causal, alignment=alignment)
     for b in range(2):
         np.testing.assert_allclose(
-            out[b], attention_loop_2d(q[b], k[b], v[b], allowed, scale=0.5)[0], rtol=1e-12, atol=1e-13
+            out[b],
+            attention_loop_2d(q[b], k[b], v[b], allowed, scale=0.5)[0],
+            rtol=1e-12,
+            atol=1e-13,
         )
 
 
@@ -62,7 +65,9 @@ def test_window_combines_with_user_mask(rng):
     user = rng.random((T, S)) < 0.7
     out = scaled_dot_product_attention(q, k, v, user, window=(2, 2))
     allowed = band_by_loop(T, S, window=(2, 2)) & user
-    np.testing.assert_allclose(out, attention_loop_2d(q, k, v, allowed, scale=0.5)[0], rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(
+        out, attention_loop_2d(q, k, v, allowed, scale=0.5)[0], rtol=1e-12, atol=1e-13
+    )
 
 
 @pytest.mark.parametrize("L", [1, 2, 3])

@@ -247,9 +247,7 @@ def reference_softmax(x: np.ndarray) -> np.ndarray:
 def test_property_agrees_with_float64_reference(x):
     ref = reference_softmax(x)
     np.testing.assert_allclose(softmax(x), ref, rtol=1e-12, atol=1e-300)
-    np.testing.assert_allclose(
-        logsumexp(x), np.log(np.exp(x).sum(axis=-1)), rtol=1e-12, atol=1e-12
-    )
+    np.testing.assert_allclose(logsumexp(x), np.log(np.exp(x).sum(axis=-1)), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.exp(log_softmax(x)), ref, rtol=1e-12, atol=1e-300)
 
 
@@ -317,9 +315,12 @@ def test_finite_inputs_wider_than_the_range_do_not_warn(dtype):
 def test_masked_arrays_raise(f):
     # np.asarray would drop the mask and use the masked entries.
     x = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
-    with pytest.raises(TypeError, match=r"x must not be a numpy.ma.MaskedArray: its mask would "
-                                        r"be silently ignored; pass the plain array with the "
-                                        r"masked entries set to -inf"):
+    with pytest.raises(
+        TypeError,
+        match=r"x must not be a numpy.ma.MaskedArray: its mask would "
+        r"be silently ignored; pass the plain array with the "
+        r"masked entries set to -inf",
+    ):
         f(x)
 
 

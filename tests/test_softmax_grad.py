@@ -82,7 +82,10 @@ def test_dtype_preserved():
     assert softmax_jacobian(np.zeros(3, dtype=np.float32)).dtype == np.float32
     assert softmax_jacobian(np.zeros(3, dtype=np.float16)).dtype == np.float16
     assert softmax_jacobian([1, 2]).dtype == np.float64
-    assert softmax_vjp(np.full(2, 0.5, dtype=np.float32), np.ones(2, dtype=np.float32)).dtype == np.float32
+    assert (
+        softmax_vjp(np.full(2, 0.5, dtype=np.float32), np.ones(2, dtype=np.float32)).dtype
+        == np.float32
+    )
 
 
 def test_vjp_equals_jacobian_transpose_product(rng):
@@ -126,7 +129,10 @@ def test_errors():
         softmax_jacobian(np.zeros(3), axis=2)
     with pytest.raises(TypeError, match="x must be a real floating"):
         softmax_jacobian(np.zeros(3, dtype=complex))
-    with pytest.raises(ValueError, match=r"must broadcast to one shape; got weights.shape=\(3,\), d_weights.shape=\(4,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"must broadcast to one shape; got weights.shape=\(3,\), d_weights.shape=\(4,\)",
+    ):
         softmax_vjp(np.zeros(3), np.zeros(4))
     with pytest.raises(ValueError, match="d_weights must have at least one dimension"):
         softmax_vjp(np.zeros(3), 1.0)
@@ -141,7 +147,7 @@ def test_jacobian_that_cannot_fit_raises_before_allocating():
     with pytest.raises(
         MemoryError,
         match=r"the Jacobian of shape \(1000000, 100000, 100000\) in float64 would take about "
-              r".* TiB \(80000000000000000 bytes\), more than the .* available; softmax_vjp",
+        r".* TiB \(80000000000000000 bytes\), more than the .* available; softmax_vjp",
     ):
         softmax_jacobian(x)
 

@@ -38,8 +38,19 @@ def qkv(rng, dtype=np.float64, *, t=T, s=S, hq=H, hkv=H, dk=DK, dv=DV):
     )
 
 
-def tiled(q, k, v, attn_mask=None, is_causal=False, *, block_q, block_k, num_threads=None,
-          stats=None, **kwargs):
+def tiled(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal=False,
+    *,
+    block_q,
+    block_k,
+    num_threads=None,
+    stats=None,
+    **kwargs,
+):
     """The tiled path with chosen tile sizes; returns ``(out, lse)`` shaped as the public API."""
     problem = prepare_attention(q, k, v, attn_mask, is_causal, **kwargs)
     out, lse = attention_tiled(
@@ -102,8 +113,18 @@ def test_windows(rng, window, is_causal, alignment):
         assert_same(got, reference(q, k, v, None, is_causal, **kw))
 
 
-MASK_SHAPES = [(S,), (T, S), (1, S), (H, 1, S), (H, T, S), (B, 1, 1, S), (B, 1, T, S),
-               (B, H, 1, S), (B, H, T, S), (1, 1, T, 1)]
+MASK_SHAPES = [
+    (S,),
+    (T, S),
+    (1, S),
+    (H, 1, S),
+    (H, T, S),
+    (B, 1, 1, S),
+    (B, 1, T, S),
+    (B, H, 1, S),
+    (B, H, T, S),
+    (1, 1, T, 1),
+]
 
 
 @pytest.mark.parametrize("shape", MASK_SHAPES)
@@ -285,8 +306,9 @@ def band_touches(mask, block_q, block_k):
     ],
 )
 @pytest.mark.parametrize("block_q, block_k", [(8, 8), (5, 7), (16, 4)])
-def test_tiles_outside_the_band_are_skipped(rng, t, s, is_causal, window, alignment,
-                                            block_q, block_k):
+def test_tiles_outside_the_band_are_skipped(
+    rng, t, s, is_causal, window, alignment, block_q, block_k
+):
     if window is None:
         band = causal_mask(t, s, alignment=alignment)
     else:
@@ -437,7 +459,12 @@ def test_public_api_returns_lse_from_the_tiled_path(rng):
 def test_tiled_agrees_with_pytorch(torch, rng):
     q, k, v = qkv(rng, np.float32, t=200, s=300, hq=4, hkv=2)
     ours = scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=True, causal_alignment="bottom_right",
+        q,
+        k,
+        v,
+        is_causal=True,
+        enable_gqa=True,
+        causal_alignment="bottom_right",
         implementation="tiled",
     )
     from torch.nn.attention.bias import causal_lower_right
@@ -705,9 +732,7 @@ def test_a_bias_beyond_the_working_dtype_raises():
 def test_a_nan_query_row_gives_nan_lse_on_both_paths(rng, implementation):
     q, k, v = normal(rng, (6, 4)), normal(rng, (5, 4)), normal(rng, (5, 3))
     q[2, 1] = np.nan
-    out, lse = scaled_dot_product_attention(
-        q, k, v, implementation=implementation, return_lse=True
-    )
+    out, lse = scaled_dot_product_attention(q, k, v, implementation=implementation, return_lse=True)
     assert np.isnan(lse[2]) and np.isnan(out[2]).all()  # the tiled path gave lse = -inf
     rest = [0, 1, 3, 4, 5]
     want = reference(q[rest], k, v)
@@ -722,9 +747,7 @@ def test_float16_lse_is_float32_and_the_backward_is_exact_with_it(implementation
     q = np.full((1, 4), 200.0, np.float16)
     k = np.full((4, 4), 200.0, np.float16)
     v = np.arange(12, dtype=np.float16).reshape(4, 3)
-    out, lse = scaled_dot_product_attention(
-        q, k, v, return_lse=True, implementation=implementation
-    )
+    out, lse = scaled_dot_product_attention(q, k, v, return_lse=True, implementation=implementation)
     assert lse.dtype == np.float32
     np.testing.assert_allclose(lse, [80000 + np.log(4)], rtol=1e-7)
     np.testing.assert_array_equal(out, [v.astype(np.float32).mean(0)])

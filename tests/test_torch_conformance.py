@@ -45,7 +45,12 @@ def torch_sdpa(torch, q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
         attn_mask = t(attn_mask)
     with torch.no_grad():
         out = torch.nn.functional.scaled_dot_product_attention(
-            t(q), t(k), t(v), attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+            t(q),
+            t(k),
+            t(v),
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
             enable_gqa=enable_gqa,
         )
     return out.numpy()
@@ -72,8 +77,11 @@ def inputs(rng, q_shape, k_shape, v_shape, dtype):
 
 
 def weights_shape(q, k, v, enable_gqa):
-    lead = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]) if enable_gqa else \
-        np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    lead = (
+        np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        if enable_gqa
+        else np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    )
     heads = (q.shape[-3],) if enable_gqa else ()
     return (*lead, *heads, q.shape[-2], k.shape[-2])
 
@@ -113,7 +121,12 @@ def test_sdpa_grid(torch, name, causal, mask_kind, dtype, rng):
         mask = mask.astype(dtype)
 
     ours = scaled_dot_product_attention(
-        q, k, v, mask, is_causal=causal is not None, causal_alignment=causal or "top_left",
+        q,
+        k,
+        v,
+        mask,
+        is_causal=causal is not None,
+        causal_alignment=causal or "top_left",
         enable_gqa=gqa,
     )
 
@@ -138,8 +151,18 @@ def test_sdpa_grid(torch, name, causal, mask_kind, dtype, rng):
 
 
 MASK_SHAPES = [
-    (S,), (T, S), (1, S), (T, 1), (1, T, 1), (H, 1, S), (B, 1, 1, S), (B, H, T, S),
-    (B, 1, T, S), (1, 1, 1, 1), (H, T, S), (B, H, 1, 1),
+    (S,),
+    (T, S),
+    (1, S),
+    (T, 1),
+    (1, T, 1),
+    (H, 1, S),
+    (B, 1, 1, S),
+    (B, H, T, S),
+    (B, 1, T, S),
+    (1, 1, 1, 1),
+    (H, T, S),
+    (B, H, 1, 1),
 ]
 
 
@@ -268,7 +291,8 @@ def test_nan_in_a_masked_out_key(torch, how, rng):
     k_clean = k_nan.copy()
     k_clean[..., S - 1, :] = 0.0
     np.testing.assert_allclose(
-        ours[..., rows, :], torch_sdpa(torch, q, k_clean, v, mask, **kwargs)[..., rows, :],
+        ours[..., rows, :],
+        torch_sdpa(torch, q, k_clean, v, mask, **kwargs)[..., rows, :],
         **TOL[np.float64],
     )
 
@@ -296,7 +320,9 @@ def test_mixed_dtypes_promote(torch, rng):
         torch_sdpa(torch, q, k, v)
     ours = scaled_dot_product_attention(q, k, v)
     assert ours.dtype == np.float64
-    np.testing.assert_allclose(ours, torch_sdpa(torch, q.astype(np.float64), k, v), **TOL[np.float64])
+    np.testing.assert_allclose(
+        ours, torch_sdpa(torch, q.astype(np.float64), k, v), **TOL[np.float64]
+    )
 
 
 def test_float_mask_is_cast_to_the_working_dtype(torch, rng):
@@ -329,7 +355,12 @@ def make_pair(torch, rng, *, n_heads, bias, kdim=None, vdim=None, dtype=np.float
     ours = MultiHeadAttention(W_q, W_k, W_v, W_o, n_heads=n_heads, **b)
 
     theirs = torch.nn.MultiheadAttention(
-        E, n_heads, bias=bias, batch_first=True, kdim=kdim, vdim=vdim,
+        E,
+        n_heads,
+        bias=bias,
+        batch_first=True,
+        kdim=kdim,
+        vdim=vdim,
         dtype=torch.float64 if dtype == np.float64 else torch.float32,
     )
     t = lambda a: torch.from_numpy(np.array(a, copy=True))  # noqa: E731
@@ -393,8 +424,13 @@ def test_multihead_matches_torch(torch, bias, mode, masking, rng):
         our_kwargs = dict(attn_mask=padding_mask(lengths, S_))
         torch_kwargs = dict(key_padding_mask=np.arange(S_)[None, :] >= np.array(lengths)[:, None])
 
-    out, weights = ours(xq, None if mode == "self" else xk, None if mode == "self" else xv,
-                        return_weights=True, **our_kwargs)
+    out, weights = ours(
+        xq,
+        None if mode == "self" else xk,
+        None if mode == "self" else xv,
+        return_weights=True,
+        **our_kwargs,
+    )
     t_out, t_weights = run_torch_mha(torch, theirs, xq, xk, xv, **torch_kwargs)
     assert out.shape == t_out.shape == (B, T, E)
     assert weights.shape == t_weights.shape == (B, H, T, S_)

@@ -40,8 +40,7 @@ ALIGNMENTS = ("top_left", "bottom_right")
 
 MASKED_ARRAY_HINT = "pass a plain array"
 ATTENTION_MASK_HINT = (
-    "pass the plain array, and the masked positions as attn_mask (a bool array, True = may "
-    "attend)"
+    "pass the plain array, and the masked positions as attn_mask (a bool array, True = may attend)"
 )
 
 
@@ -82,9 +81,7 @@ def as_float_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_H
         return arr
     if kind in "biu":
         return arr.astype(np.float64)
-    raise TypeError(
-        f"{name} must be a real floating, integer or bool array; got dtype {arr.dtype}"
-    )
+    raise TypeError(f"{name} must be a real floating, integer or bool array; got dtype {arr.dtype}")
 
 
 def compute_dtype(*arrays: np.ndarray) -> tuple[np.dtype, np.dtype]:
@@ -252,7 +249,9 @@ def check_query_key_value(
     if q.shape[-1] != k.shape[-1]:
         raise shape_error("query and key must share the last dimension Dk", query=q, key=k)
     if k.shape[-2] != v.shape[-2]:
-        raise shape_error("key and value must share the sequence length S (axis -2)", key=k, value=v)
+        raise shape_error(
+            "key and value must share the sequence length S (axis -2)", key=k, value=v
+        )
     return q, k, v
 
 
@@ -284,7 +283,9 @@ def check_window(window, name: str = "window") -> tuple[int | None, int | None] 
     return (out[0], out[1])
 
 
-def check_real(value, name: str, expected: str = "a finite real number", valid=math.isfinite) -> float:
+def check_real(
+    value, name: str, expected: str = "a finite real number", valid=math.isfinite
+) -> float:
     """Return ``value`` as a ``float`` if it is a real number (not a bool) for which ``valid``
     holds, else raise.
 

@@ -1,6 +1,6 @@
 r"""Scaled dot-product attention, ``softmax(Q K^T / sqrt(Dk)) V``, with PyTorch's API.
 
-The public entry point, :func:`scaled_dot_product_attention`, validates its call once
+The public entry point, :func:`sdpa.scaled_dot_product_attention`, validates its call once
 (:func:`sdpa.problem.prepare_attention`) and hands the prepared problem to one of two paths:
 
 * :func:`attention_reference`, this module's textbook formula, one line per stage:
@@ -326,7 +326,4 @@ def scaled_dot_product_attention(
         weights = None
     else:
         out, weights, lse = attention_reference(problem, dropout_p, rng)
-    return problem.finish(
-        out, weights if return_weights else None, lse if return_lse else None
-    )
-
+    return problem.finish(out, weights if return_weights else None, lse if return_lse else None)

@@ -466,9 +466,7 @@ def scaled_dot_product_attention_backward(
     3.0
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}"
-        )
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
     block_q = DEFAULT_BLOCK_Q if block_q is None else check_positive_int(block_q, "block_q")
     block_k = DEFAULT_BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
     if num_threads is None:
@@ -492,7 +490,7 @@ def scaled_dot_product_attention_backward(
         causal_alignment=causal_alignment,
         window=window,
     )
-    T, S, Dv = problem.T, problem.S, problem.Dv
+    T, Dv = problem.T, problem.Dv
     full = problem.batch_shape
     d_out, bad = _check_result(d_out, "d_out", problem, (T, Dv), "output (..., Hq, T, Dv)")
     bad_rows = [bad]
@@ -514,7 +512,14 @@ def scaled_dot_product_attention_backward(
         out = np.broadcast_to(out, (*full, T, Dv))
         lse = np.broadcast_to(lse, (*full, T))
         d_q, d_k, d_v = backward_tiled(
-            problem, d_out, out, lse, m=m, ell=ell, block_q=block_q, block_k=block_k,
+            problem,
+            d_out,
+            out,
+            lse,
+            m=m,
+            ell=ell,
+            block_q=block_q,
+            block_k=block_k,
             num_threads=num_threads,
         )
     rows = [np.broadcast_to(r, (*full, T)) for r in bad_rows if r is not None]

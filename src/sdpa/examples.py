@@ -58,7 +58,7 @@ def _frozen(a) -> np.ndarray:
 
 
 def the_cat_sleeps() -> WorkedExample:
-    """"The cat sleeps.": three tokens with 2-D integer embeddings and 2 x 2 projections.
+    """ "The cat sleeps.": three tokens with 2-D integer embeddings and 2 x 2 projections.
 
     The walk-through attends from "cat" with *unscaled* scores ``[1, 1, 2]``, which gives
     weights of about ``[0.212, 0.212, 0.576]`` and an output of about ``[0.788, 1.576]``.
@@ -99,11 +99,16 @@ def the_cat_sleeps() -> WorkedExample:
 
 
 def the_cat_sat_on_mat() -> WorkedExample:
-    """"the cat sat on mat": five tokens, 4-D embeddings and their projections, batch of one.
+    """ "the cat sat on mat": five tokens, 4-D embeddings and their projections, batch of one.
 
     The source lists the embeddings and the already projected ``Q``, ``K`` and ``V`` (rounded
     to three decimals) but not the weights that produced them, so the projections are given
     as data. All arrays have shape ``(B, T, D) = (1, 5, 4)``.
+
+    Returns
+    -------
+    WorkedExample
+        Read-only arrays: a new copy on every call.
 
     Examples
     --------
@@ -116,24 +121,36 @@ def the_cat_sat_on_mat() -> WorkedExample:
     """
     X = _frozen(np.round(np.arange(1, 21).reshape(1, 5, 4) / 10, 1))
     Q = _frozen(
-        [[[-0.041, -0.663, -0.448, -0.059],
-          [-0.027, -1.360, -0.433, 0.446],
-          [-0.013, -2.058, -0.418, 0.951],
-          [0.001, -2.755, -0.402, 1.456],
-          [0.015, -3.452, -0.387, 1.961]]]
+        [
+            [
+                [-0.041, -0.663, -0.448, -0.059],
+                [-0.027, -1.360, -0.433, 0.446],
+                [-0.013, -2.058, -0.418, 0.951],
+                [0.001, -2.755, -0.402, 1.456],
+                [0.015, -3.452, -0.387, 1.961],
+            ]
+        ]
     )
     K = _frozen(
-        [[[-0.212, -0.097, -0.663, 0.427],
-          [-0.489, -0.134, -1.701, 0.184],
-          [-0.765, -0.171, -2.738, -0.060],
-          [-1.042, -0.208, -3.775, -0.303],
-          [-1.319, -0.245, -4.812, -0.547]]]
+        [
+            [
+                [-0.212, -0.097, -0.663, 0.427],
+                [-0.489, -0.134, -1.701, 0.184],
+                [-0.765, -0.171, -2.738, -0.060],
+                [-1.042, -0.208, -3.775, -0.303],
+                [-1.319, -0.245, -4.812, -0.547],
+            ]
+        ]
     )
     V = _frozen(
-        [[[-0.329, -0.734, -0.402, 0.250],
-          [-0.547, -2.161, -0.835, 0.143],
-          [-0.765, -3.587, -1.268, 0.035],
-          [-0.983, -5.013, -1.701, -0.072],
-          [-1.201, -6.440, -2.133, -0.179]]]
+        [
+            [
+                [-0.329, -0.734, -0.402, 0.250],
+                [-0.547, -2.161, -0.835, 0.143],
+                [-0.765, -3.587, -1.268, 0.035],
+                [-0.983, -5.013, -1.701, -0.072],
+                [-1.201, -6.440, -2.133, -0.179],
+            ]
+        ]
     )
     return WorkedExample(tokens=("the", "cat", "sat", "on", "mat"), X=X, Q=Q, K=K, V=V)

@@ -32,7 +32,9 @@ def _check_callable(f, name: str) -> None:
 
 
 def _check_eps(eps) -> float:
-    return check_real(eps, "eps", "a positive, finite real number", lambda x: math.isfinite(x) and x > 0)
+    return check_real(
+        eps, "eps", "a positive, finite real number", lambda x: math.isfinite(x) and x > 0
+    )
 
 
 def _as_args(args) -> list[np.ndarray]:

@@ -14,7 +14,6 @@ new tokens, ``Dk`` and ``Dv`` per-head widths.
 
 from __future__ import annotations
 
-
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -22,8 +21,8 @@ from ._checks import (
     ATTENTION_MASK_HINT,
     as_float_array,
     check_bool,
-    check_int,
     check_float_dtype,
+    check_int,
     check_nonneg_int,
     check_positive_int,
     check_range,
@@ -72,7 +71,7 @@ class KVCache:
 
     See Also
     --------
-    scaled_dot_product_attention : what :meth:`attend` calls.
+    scaled_dot_product_attention : What :meth:`attend` calls.
 
     Notes
     -----
@@ -128,7 +127,9 @@ class KVCache:
         self.n_layers = check_positive_int(n_layers, "n_layers")
         self.n_kv_heads = check_positive_int(n_kv_heads, "n_kv_heads")
         self.head_dim = check_nonneg_int(head_dim, "head_dim")
-        self.value_dim = self.head_dim if value_dim is None else check_nonneg_int(value_dim, "value_dim")
+        self.value_dim = (
+            self.head_dim if value_dim is None else check_nonneg_int(value_dim, "value_dim")
+        )
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.dtype = check_float_dtype(dtype)
         self._initial_capacity = check_positive_int(capacity, "capacity")
@@ -151,9 +152,7 @@ class KVCache:
     def _layer(self, layer) -> int:
         layer = check_int(layer, "layer")
         if not 0 <= layer < self.n_layers:
-            raise ValueError(
-                f"layer must be in [0, n_layers={self.n_layers}); got layer={layer}"
-            )
+            raise ValueError(f"layer must be in [0, n_layers={self.n_layers}); got layer={layer}")
         return int(layer)
 
     def length(self, layer: int) -> int:

@@ -17,7 +17,7 @@ width of the features ``phi(x)`` (``F = Dk`` for the default map).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -46,6 +46,7 @@ def elu_feature_map(x: ArrayLike) -> np.ndarray:
     Parameters
     ----------
     x : (..., D) array_like
+        Real numbers (queries or keys).
 
     Returns
     -------
@@ -106,7 +107,9 @@ def linear_attention(
     query : (..., T, Dk) array_like
         Leading dimensions broadcast by NumPy rules against those of ``key`` and ``value``.
     key : (..., S, Dk) array_like
+        Keys.
     value : (..., S, Dv) array_like
+        Values.
     is_causal : bool, default False
         Query ``i`` only sees keys ``j <= i + o`` (``o`` from ``causal_alignment``), computed
         with running sums over the keys.
@@ -201,7 +204,9 @@ def linear_attention(
         feature_map = elu_feature_map
     elif not callable(feature_map):
         raise TypeError(f"feature_map must be callable or None; got {type(feature_map).__name__}")
-    eps = check_real(eps, "eps", "a finite, non-negative real number", lambda x: math.isfinite(x) and x >= 0)
+    eps = check_real(
+        eps, "eps", "a finite, non-negative real number", lambda x: math.isfinite(x) and x >= 0
+    )
     chunk_size = check_positive_int(chunk_size, "chunk_size")
 
     out_dtype, work = compute_dtype(q, k, v)

@@ -75,6 +75,7 @@ def causal_mask(T: int, S: int | None = None, *, alignment: str = "top_left") ->
     Returns
     -------
     mask : (T, S) np.ndarray of bool
+        True where query ``i`` may attend key ``j``.
 
     Raises
     ------
@@ -119,6 +120,7 @@ def sliding_window_mask(
     Returns
     -------
     mask : (T, S) np.ndarray of bool
+        True where query ``i`` may attend key ``j``.
 
     Raises
     ------
@@ -165,6 +167,8 @@ def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
     Returns
     -------
     mask : (B, 1, 1, S) np.ndarray of bool
+        True for the first ``lengths[b]`` keys of sequence ``b``; broadcasts over heads and
+        queries.
 
     Raises
     ------
@@ -188,7 +192,9 @@ def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
     if lengths.dtype.kind not in "iu":
         raise TypeError(f"lengths must be an array of integers; got dtype {lengths.dtype}")
     if lengths.ndim != 1:
-        raise ValueError(f"lengths must be 1-D with one length per sequence; got shape {lengths.shape}")
+        raise ValueError(
+            f"lengths must be 1-D with one length per sequence; got shape {lengths.shape}"
+        )
     if lengths.size and (lengths.min() < 0 or lengths.max() > S):
         raise ValueError(f"lengths must lie in [0, S={S}]; got {lengths.tolist()}")
     mask = np.arange(S)[None, :] < lengths[:, None]  # (B, S)

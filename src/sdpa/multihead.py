@@ -38,6 +38,7 @@ def split_heads(x: ArrayLike, n_heads: int) -> np.ndarray:
     Parameters
     ----------
     x : (..., T, H * D) array_like
+        The heads side by side along the last axis.
     n_heads : int
         ``H``; must divide the last axis.
 
@@ -81,10 +82,12 @@ def merge_heads(x: ArrayLike) -> np.ndarray:
     Parameters
     ----------
     x : (..., H, T, D) array_like
+        One array per head along axis -3.
 
     Returns
     -------
     (..., T, H * D) np.ndarray
+        The heads side by side along the last axis (head ``h`` in columns ``h*D : (h+1)*D``).
 
     Raises
     ------
@@ -107,8 +110,10 @@ def merge_heads(x: ArrayLike) -> np.ndarray:
 
 def _check_matrix(W, name: str, rows: int | None = None, cols: int | None = None) -> np.ndarray:
     W = as_float_array(W, name)
-    if W.ndim != 2 or (rows is not None and W.shape[0] != rows) or (
-        cols is not None and W.shape[1] != cols
+    if (
+        W.ndim != 2
+        or (rows is not None and W.shape[0] != rows)
+        or (cols is not None and W.shape[1] != cols)
     ):
         want = f"({'any' if rows is None else rows}, {'any' if cols is None else cols})"
         raise ValueError(f"{name} must be a matrix of shape {want}; got {name}.shape={W.shape}")
@@ -134,10 +139,13 @@ class MultiHeadAttention:
     Parameters
     ----------
     W_q : (E, Hq * Dk) array_like
+        Query projection: the input of width ``E`` to ``Hq`` heads of width ``Dk``.
     W_k : (Ek, Hkv * Dk) array_like
-        ``Ek`` is the width of the key input (``E`` for self-attention).
+        Key projection; ``Ek`` is the width of the key input (``E`` for self-attention).
     W_v : (Ev, Hkv * Dv) array_like
+        Value projection; ``Ev`` is the width of the value input.
     W_o : (Hq * Dv, E_out) array_like
+        Output projection of the merged heads.
     n_heads : int
         ``Hq``.
     n_kv_heads : int, optional
@@ -152,7 +160,7 @@ class MultiHeadAttention:
 
     See Also
     --------
-    MultiHeadAttention.random : initialise the weights from a generator.
+    MultiHeadAttention.random : Initialise the weights from a generator.
 
     Notes
     -----
@@ -225,13 +233,13 @@ class MultiHeadAttention:
 
     @property
     def d_k(self) -> int:
-        """Deprecated name of :attr:`head_dim`."""
+        """Deprecated name of ``head_dim``."""
         deprecated_name("MultiHeadAttention.d_k", "head_dim")
         return self.head_dim
 
     @property
     def d_v(self) -> int:
-        """Deprecated name of :attr:`value_dim`."""
+        """Deprecated name of ``value_dim``."""
         deprecated_name("MultiHeadAttention.d_v", "value_dim")
         return self.value_dim
 
@@ -247,7 +255,7 @@ class MultiHeadAttention:
         rng: np.random.Generator,
         dtype=np.float64,
         d_k: int | None = None,
-    ) -> "MultiHeadAttention":
+    ) -> MultiHeadAttention:
         """Glorot-uniform weights (as ``torch.nn.MultiheadAttention``), zero biases.
 
         Parameters
@@ -265,7 +273,7 @@ class MultiHeadAttention:
         rng : numpy.random.Generator
             Source of the weights.
         dtype : float dtype, default float64
-            float16, float32 or float64. Integer dtypes are refused: Glorot weights are below
+            The weights' dtype: float16, float32 or float64. Integer dtypes are refused: Glorot weights are below
             one, so they would all round to zero.
         d_k : int, optional
             Deprecated name of ``head_dim`` (a ``DeprecationWarning``); to be removed in the
@@ -398,15 +406,23 @@ class MultiHeadAttention:
         x_q = as_float_array(query, "query", masked_hint=hint)
         x_k = x_q if key is None else as_float_array(key, "key", masked_hint=hint)
         x_v = x_k if value is None else as_float_array(value, "value", masked_hint=hint)
-        for name, x, W in (("query", x_q, self.W_q), ("key", x_k, self.W_k), ("value", x_v, self.W_v)):
+        for name, x, W in (
+            ("query", x_q, self.W_q),
+            ("key", x_k, self.W_k),
+            ("value", x_v, self.W_v),
+        ):
             if x.ndim < 2 or x.shape[-1] != W.shape[0]:
                 raise ValueError(
                     f"{name} must have shape (..., L, {W.shape[0]}) to match W_{name[0]}.shape="
                     f"{W.shape}; got {name}.shape={x.shape}"
                 )
         q = split_heads(self._project(x_q, self.W_q, self.b_q), self.n_heads)  # (..., Hq, T, Dk)
-        k = split_heads(self._project(x_k, self.W_k, self.b_k), self.n_kv_heads)  # (..., Hkv, S, Dk)
-        v = split_heads(self._project(x_v, self.W_v, self.b_v), self.n_kv_heads)  # (..., Hkv, S, Dv)
+        k = split_heads(
+            self._project(x_k, self.W_k, self.b_k), self.n_kv_heads
+        )  # (..., Hkv, S, Dk)
+        v = split_heads(
+            self._project(x_v, self.W_v, self.b_v), self.n_kv_heads
+        )  # (..., Hkv, S, Dv)
         result = scaled_dot_product_attention(
             q,
             k,

@@ -146,6 +146,7 @@ def heatmap(
     Parameters
     ----------
     ax : matplotlib Axes
+        Where to draw.
     data : (T, S) array_like
         Real numbers.
     kind : {"weights", "signed"}, default "weights"
@@ -171,6 +172,7 @@ def heatmap(
     Returns
     -------
     matplotlib.image.AxesImage
+        The image drawn, for a colour bar of one's own.
 
     Raises
     ------
@@ -260,6 +262,7 @@ def mask_plot(
     Parameters
     ----------
     ax : matplotlib Axes
+        Where to draw.
     allowed : (T, S) array_like of bool
         The mask, in the package's polarity: ``True`` where query ``i`` may attend key ``j``.
     row_labels, col_labels : sequence of str, optional
@@ -274,6 +277,7 @@ def mask_plot(
     Returns
     -------
     matplotlib.image.AxesImage
+        The image drawn, for a colour bar of one's own.
 
     Raises
     ------

@@ -64,7 +64,9 @@ def sinusoidal_positional_encoding(
     """
     n_positions = check_nonneg_int(n_positions, "n_positions")
     d_model = check_nonneg_int(d_model, "d_model")
-    base = check_real(base, "base", "a finite real number greater than 1", lambda x: math.isfinite(x) and x > 1)
+    base = check_real(
+        base, "base", "a finite real number greater than 1", lambda x: math.isfinite(x) and x > 1
+    )
     positions = np.arange(n_positions, dtype=np.float64)[:, None]  # (P, 1)
     freqs = float(base) ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)  # (ceil(d/2),)
     angles = positions * freqs  # (P, ceil(d/2))

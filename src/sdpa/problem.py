@@ -5,11 +5,11 @@ it into an :class:`AttentionProblem`: arrays in the working dtype, grouped-query
 so that plain broadcasting does the grouping, the user's mask split into a boolean *allowed*
 mask and an additive *bias*, and the causal/window band described by three integers. The
 reference path (:mod:`sdpa.attention`), the tiled path (:mod:`sdpa.tiled`) and the backward
-pass (:mod:`sdpa.backward`) all start from it, so they cannot disagree about what a call means,
+pass (:func:`sdpa.scaled_dot_product_attention_backward`) all start from it, so they cannot disagree about what a call means,
 and :meth:`AttentionProblem.finish` turns their results back into the caller's shapes and dtype.
 
 The module also holds what every implementation needs on a prepared problem: the masked
-scores of a block of queries and keys (:meth:`AttentionProblem.masked_scores`), the overflow
+scores of a block of queries and keys (``masked_scores``), the overflow
 check, and the rows that a non-finite input reaches (NaN in, NaN out).
 
 Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``G = Hq // Hkv``,
@@ -139,7 +139,9 @@ class AttentionProblem:
         cut = len(shape) - trailing
         return x.reshape(*shape[: cut - 2], shape[cut - 2] * shape[cut - 1], *shape[cut:])
 
-    def finish(self, out: np.ndarray, weights: np.ndarray | None = None, lse: np.ndarray | None = None):
+    def finish(
+        self, out: np.ndarray, weights: np.ndarray | None = None, lse: np.ndarray | None = None
+    ):
         """The caller's results from an implementation's: full batch shape, heads, dtype.
 
         ``out`` is ``(*batch_shape, T, Dv)`` (or broadcastable to it), ``weights``
@@ -214,7 +216,10 @@ def _check_mask(attn_mask, full_heads_shape: tuple[int, ...], work_dtype: np.dty
     if max(-float(lo), float(hi)) > float(np.finfo(work_dtype).max):
         worst = float(lo) if -float(lo) > float(hi) else float(hi)
         raise range_error(
-            "attn_mask", work_dtype, worst, ", the dtype the scores are computed in",
+            "attn_mask",
+            work_dtype,
+            worst,
+            ", the dtype the scores are computed in",
             " (use -inf to disallow a key)",
         )
     return None, mask.astype(work_dtype, copy=False), max(-float(lo), float(hi))
@@ -288,7 +293,7 @@ def prepare_attention(
 
     See Also
     --------
-    sdpa.tiled.attention_tiled : the tiled path on a prepared problem.
+    sdpa.tiled.attention_tiled : The tiled path on a prepared problem.
 
     Examples
     --------
@@ -335,7 +340,9 @@ def prepare_attention(
         batch_shape = (*lead, Hkv, groups)
         # Queries and their masks: (..., Hq, ...) -> (..., Hkv, G, ...); keys and values (and
         # their masks) gain an axis of length 1 that broadcasts against G.
-        q, bad_query = (_split_heads(a, Hkv, groups, trailing) for a, trailing in ((q, 2), (bad_query, 1)))
+        q, bad_query = (
+            _split_heads(a, Hkv, groups, trailing) for a, trailing in ((q, 2), (bad_query, 1))
+        )
         k, v, bad_key, bad_value = (
             None if a is None else np.expand_dims(a, -1 - trailing)
             for a, trailing in ((k, 2), (v, 2), (bad_key, 1), (bad_value, 1))
@@ -517,8 +524,6 @@ def mark_poisoned(problem: AttentionProblem, out, lse, weights=None):
     return out, lse, weights
 
 
-
-
 def mask_block(mask: np.ndarray | None, t0: int, t1: int, s0: int, s1: int) -> np.ndarray | None:
     """Rows ``t0:t1`` and columns ``s0:s1`` of a mask that may be broadcast along either axis."""
     if mask is None:
@@ -539,7 +544,9 @@ def allowed_block(problem: AttentionProblem, t0: int, t1: int, s0: int, s1: int)
     return band if allowed is None else allowed & band
 
 
-def masked_scores(problem: AttentionProblem, q_scaled: np.ndarray, t0: int, t1: int, s0: int, s1: int):
+def masked_scores(
+    problem: AttentionProblem, q_scaled: np.ndarray, t0: int, t1: int, s0: int, s1: int
+):
     """``scale * q k^T + bias`` on queries ``t0:t1`` and keys ``s0:s1``, disallowed entries ``-inf``.
 
     ``q_scaled`` is ``problem.query * scale`` (scaled once by the caller). The scores are

@@ -62,7 +62,11 @@ def _check_positions(positions: ArrayLike) -> np.ndarray:
 
 
 def rotary_cos_sin(
-    positions: ArrayLike, head_dim: int | None = None, *, base: float = 10000.0, dim: int | None = None
+    positions: ArrayLike,
+    head_dim: int | None = None,
+    *,
+    base: float = 10000.0,
+    dim: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     r"""The cosine and sine tables of RoPE: ``cos(p * theta_i)`` and ``sin(p * theta_i)``.
 

@@ -87,6 +87,7 @@ LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 # a product with Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32).
 VALUE_WIDTH_MULTIPLE = 8
 
+
 @dataclass
 class TileStats:
     """Counters of the work :func:`attention_tiled` did, filled when passed as ``stats``.
