@@ -61,7 +61,7 @@ from ._checks import (
 )
 from .masks import alignment_offset, band_limits
 from .problem import AttentionProblem, check_overflow, mark_poisoned
-from .threads import default_num_threads, run_in_threads
+from .threads import default_num_threads, run_in_threads, single_threaded_blas
 
 __all__ = ["BLOCK_K", "BLOCK_ROWS", "TileStats", "attention_tiled", "tile_map"]
 
@@ -402,6 +402,8 @@ class _Worker:
                 self.skipped_mask += 1
                 continue
             self.computed += 1
+            if disallowed is None and self.bias is None and not self.started.any():
+                self.estimate_shift(s0)  # the unit's first tile can then take the lazy step
             if self.all_started and not plan.may_overflow and self.lazy_step(s0, s1, disallowed):
                 continue
             self.exact_step(s0, s1, disallowed)
@@ -468,6 +470,27 @@ class _Worker:
                 self.band_cache.clear()
             self.band_cache[key] = tile
         return tile
+
+    def estimate_shift(self, s0: int) -> None:
+        """Start every row at the score of its first key, ``m = scale * q . k[s0]``.
+
+        Without a mask or a bias every row may attend key ``s0``, so this ``m`` is at most the
+        row's maximum and ``l >= 1`` at that shift: the lazy step is exact on the unit's first
+        tile unless a score exceeds ``m`` by more than ``LAZY_MARGIN``, which its row sums
+        detect (the exact step then starts over from these rows). One matrix-vector product
+        instead of the exact step's passes for the row maximum and the subtraction.
+        """
+        plan = self.plan
+        if plan.may_overflow:
+            return
+        Dk = plan.Dk
+        m = self.q_shifted[:, :Dk] @ self.k1[s0, :Dk]  # (rows, Dk) @ (Dk,) -> (rows,)
+        if not np.abs(m).max() <= FOLD_LIMIT:  # a shift this size is not folded in (see above)
+            return
+        self.m[:] = m
+        np.negative(m, out=self.folded)
+        self.started.fill(True)
+        self.all_started = True
 
     def lazy_step(self, s0: int, s1: int, disallowed) -> bool:
         """The common case: add the tile at the current shift ``m``; False if it is not exact.
@@ -681,7 +704,8 @@ def attention_tiled(
     counter = itertools.count()
     workers = [_Worker(plan) for _ in range(n_threads)]
     if n_threads == 1:
-        workers[0].drain(work, counter)
+        with single_threaded_blas():  # BLAS's threads slow small products down, here too
+            workers[0].drain(work, counter)
     else:
         run_in_threads([functools.partial(w.drain, work, counter) for w in workers])
     if stats is not None:
