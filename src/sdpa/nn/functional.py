@@ -539,7 +539,7 @@ def gelu(x: ArrayLike, *, approximate: str = "none") -> np.ndarray:
     """
     x, approximate, out_dtype = _gelu_args(x, approximate)
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x**3)
+        inner = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
         y = 0.5 * x * (1.0 + np.tanh(inner))
     else:
         y = x * _normal_cdf(x)
@@ -591,7 +591,7 @@ def gelu_backward(d_y: ArrayLike, x: ArrayLike, *, approximate: str = "none") ->
     d_y = d_y.astype(x.dtype, copy=False)
     _check_grad_shape(d_y, x.shape, "(the shape of x)")
     if approximate == "tanh":
-        th = np.tanh(_SQRT_2_OVER_PI * (x + _TANH_CUBIC * x**3))
+        th = np.tanh(_SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x))
         slope = 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * _SQRT_2_OVER_PI * (
             1.0 + 3.0 * _TANH_CUBIC * x * x
         )

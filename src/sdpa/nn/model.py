@@ -55,6 +55,10 @@ __all__ = ["DecoderLM"]
 POSITIONALS = ("rope", "sinusoidal", "learned", None)
 NORMS = ("layer", "rms")
 GELU = "tanh"  # the MLP's activation: GPT-2's tanh form of GELU (fast; see sdpa.nn.gelu)
+# The whole-matrix attention path: a small model's sequences are short, and for them it is
+# several times faster than the tiled path, which "auto" picks from the total number of scores
+# (batch x heads x T x S) however short each sequence is.
+ATTENTION = "reference"
 
 
 def _positive_int(value, name: str) -> int:
@@ -170,7 +174,9 @@ norm, attention_only, dtype
     ``w_out``) are further divided by ``sqrt(2 n_layers)`` so that the stream's variance
     does not grow with depth (GPT-2's rule); norm gains are one and biases zero.
 
-    **Attention** is causal multi-head attention without biases, scaled by ``1 / sqrt(Dk)``.
+    **Attention** is causal multi-head attention without biases, scaled by ``1 / sqrt(Dk)``,
+    on the whole-matrix path of :func:`sdpa.scaled_dot_product_attention`
+    (``implementation="reference"``), the fastest for the short sequences of a small model.
     The MLP's activation is the ``tanh`` form of GELU, as in GPT-2.
 
     Examples
@@ -384,7 +390,7 @@ norm, attention_only, dtype
             h = self._norm(x, p + "attn_norm")
             q, k, v = self._qkv(i, h, 0)
             result = scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=gqa,
+                q, k, v, is_causal=True, enable_gqa=gqa, implementation=ATTENTION,
                 return_weights=return_attention, return_lse=keep,
             )  # (B, Hq, T, Dk), then the weights (B, Hq, T, T) and lse (B, Hq, T) if asked
             out = result[0] if isinstance(result, tuple) else result
@@ -557,7 +563,7 @@ norm, attention_only, dtype
         d_out = split_heads(d_heads, self.n_heads)  # (B, T, Hq Dk) -> (B, Hq, T, Dk)
         d_q, d_k, d_v = scaled_dot_product_attention_backward(
             d_out, c.q, c.k, c.v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
-            out=c.out, lse=c.lse,
+            out=c.out, lse=c.lse, implementation=ATTENTION,
         )
         if self.positional == "rope":  # the transpose of a rotation is the opposite rotation
             back = -np.arange(c.q.shape[2])
