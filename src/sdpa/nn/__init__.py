@@ -1,16 +1,16 @@
 """A small language model in NumPy: Transformer layers with hand-derived gradients, AdamW.
 
-``sdpa.nn`` builds a decoder-only Transformer on top of the attention of :mod:`sdpa`. Every
+``sdpa.nn`` builds a decoder-only Transformer on top of the attention of ``sdpa``. Every
 piece is a plain function with a partner ``*_backward`` that returns the gradients of
 ``sum(d_y * f(...))`` (the vector-Jacobian product backpropagation needs), checked in the tests
 against central finite differences and against ``torch.autograd``.
 
-Functions (:mod:`sdpa.nn.functional`)
+Functions (``sdpa.nn.functional``)
     :func:`linear`, :func:`layer_norm`, :func:`rms_norm`, :func:`gelu`, :func:`cross_entropy`
     and their backward passes; :func:`embedding_backward`.
-Optimiser (:mod:`sdpa.nn.optim`)
+Optimiser (``sdpa.nn.optim``)
     :class:`AdamW`, step for step equal to ``torch.optim.AdamW``.
-Model (:mod:`sdpa.nn.model`)
+Model (``sdpa.nn.model``)
     :class:`DecoderLM`: forward pass, loss and gradients, generation with a KV cache.
 
 >>> import numpy as np

@@ -523,7 +523,7 @@ def gelu(x: ArrayLike, *, approximate: str = "none") -> np.ndarray:
 
     Notes
     -----
-    The exact form evaluates ``erf`` element by element through Python's :func:`math.erf`
+    The exact form evaluates ``erf`` element by element through Python's ``math.erf``
     (NumPy has no vectorised ``erf``), which is slower than the ``tanh`` form on large arrays;
     :class:`sdpa.nn.DecoderLM` uses the ``tanh`` form.
 

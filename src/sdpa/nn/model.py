@@ -129,9 +129,12 @@ class DecoderLM:
     params : dict of str to np.ndarray
         Every parameter, by name; the model's only state (see Notes). Replace or modify the
         arrays to change the model; :class:`sdpa.nn.AdamW` updates them in place.
-    vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff, max_len, positional, \
-norm, attention_only, dtype
-        The configuration (``head_dim`` is ``Dk``; ``d_ff`` is None when ``attention_only``).
+    vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len : int
+        The sizes; ``d_ff`` is None when ``attention_only``.
+    head_dim : int
+        ``Dk = d_model // n_heads``.
+    positional, norm, attention_only, dtype
+        The other choices, as given.
 
     Raises
     ------
@@ -148,23 +151,23 @@ norm, attention_only, dtype
     **Parameters** (``i`` the block index; the ``.bias`` of a norm exists only for
     ``norm="layer"``, the MLP only without ``attention_only``):
 
-    ==================================  ===============  ===========================================
-    name                                shape            role
-    ==================================  ===============  ===========================================
-    ``token_embedding``                 ``(V, E)``       row ``t`` enters the stream for token ``t``
-    ``position_embedding``              ``(max_len, E)`` learned positions only
-    ``blocks.i.attn_norm.weight/bias``  ``(E,)``         normalisation before the attention
-    ``blocks.i.attn.w_q``               ``(E, Hq Dk)``   queries, head ``h`` in columns
-                                                         ``h Dk : (h+1) Dk``
-    ``blocks.i.attn.w_k``, ``w_v``      ``(E, Hkv Dk)``  keys and values
-    ``blocks.i.attn.w_o``               ``(Hq Dk, E)``   heads back to the stream; rows
-                                                         ``h Dk : (h+1) Dk`` belong to head ``h``
-    ``blocks.i.mlp_norm.weight/bias``   ``(E,)``         normalisation before the MLP
-    ``blocks.i.mlp.w_in``, ``b_in``     ``(E, F), (F,)`` ``u = h W_in + b_in``
-    ``blocks.i.mlp.w_out``, ``b_out``   ``(F, E), (E,)`` ``gelu(u) W_out + b_out``
-    ``final_norm.weight/bias``          ``(E,)``         before the unembedding
-    ``unembedding``                     ``(E, V)``       stream to logits
-    ==================================  ===============  ===========================================
+    ==================================  ====================  ====================================
+    name                                shape                 role
+    ==================================  ====================  ====================================
+    ``token_embedding``                 ``(V, E)``            row ``t``: the vector of token ``t``
+    ``position_embedding``              ``(max_len, E)``      learned positions only
+    ``blocks.i.attn_norm.weight/bias``  ``(E,)``              norm before the attention
+    ``blocks.i.attn.w_q``               ``(E, Hq Dk)``        queries; head ``h`` in columns
+                                                              ``h Dk : (h+1) Dk``
+    ``blocks.i.attn.w_k``, ``w_v``      ``(E, Hkv Dk)``       keys and values
+    ``blocks.i.attn.w_o``               ``(Hq Dk, E)``        heads to the stream; head ``h``
+                                                              in rows ``h Dk : (h+1) Dk``
+    ``blocks.i.mlp_norm.weight/bias``   ``(E,)``              norm before the MLP
+    ``blocks.i.mlp.w_in``, ``b_in``     ``(E, F)``, ``(F,)``  ``u = h W_in + b_in``
+    ``blocks.i.mlp.w_out``, ``b_out``   ``(F, E)``, ``(E,)``  ``gelu(u) W_out + b_out``
+    ``final_norm.weight/bias``          ``(E,)``              norm before the unembedding
+    ``unembedding``                     ``(E, V)``            stream to logits
+    ==================================  ====================  ====================================
 
     Zeroing rows ``h Dk : (h+1) Dk`` of ``w_o`` removes head ``h``'s contribution exactly
     (an ablation).
@@ -473,7 +476,7 @@ norm, attention_only, dtype
             :func:`sdpa.nn.cross_entropy` of the logits and the targets, in nats.
         grads : dict of str to np.ndarray
             The gradient of ``loss`` with respect to every parameter, keyed and shaped like
-            :attr:`params`.
+            ``params``.
 
         Raises
         ------
@@ -486,7 +489,7 @@ norm, attention_only, dtype
         Notes
         -----
         The backward pass runs the forward pass in reverse, one hand-derived rule per step
-        (:mod:`sdpa.nn.functional`), and the attention through
+        (``sdpa.nn.functional``), and the attention through
         :func:`sdpa.scaled_dot_product_attention_backward`, which reuses the forward output
         and log-sum-exp instead of recomputing them. RoPE is a rotation, so its backward is
         the rotation by the opposite angle. Parameters shared by all positions (every one)

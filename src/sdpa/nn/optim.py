@@ -29,7 +29,7 @@ class AdamW:
     Parameters
     ----------
     params : dict of str to np.ndarray
-        The arrays to optimise, for example :attr:`sdpa.nn.DecoderLM.params`. They are updated
+        The arrays to optimise, for example ``DecoderLM.params``. They are updated
         *in place* by :meth:`step` (the dict and its arrays are kept, not copied), so a model
         that holds them sees every update.
     lr : float, default 1e-3
