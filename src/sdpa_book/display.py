@@ -1,10 +1,10 @@
-"""Values for the prose: :func:`glue` and the small formatters the pages glue.
+"""Values for the prose: :func:`~sdpa_book.display.glue` and the small formatters the pages glue.
 
-In the book's build (where ``conf.py`` sets ``SDPA_BOOK_BUILD=1`` for the kernels) :func:`glue`
+In the book's build (where ``conf.py`` sets ``SDPA_BOOK_BUILD=1`` for the kernels) :func:`~sdpa_book.display.glue`
 is MyST-NB's: the value is stored in the notebook's outputs and pasted where a ``{glue}`` role
 names it. Anywhere else (a downloaded notebook in plain Jupyter, a script) MyST-NB is neither
 needed nor imported: a figure or table is displayed where the page would show it, and a plain
-number, which the notebook's text already states, is only returned.
+number, which the notebook's text already states, is not shown again.
 """
 
 from __future__ import annotations
@@ -32,22 +32,22 @@ def _is_rich(value) -> bool:
     )
 
 
-def glue(name: str, value, display: bool = False):
-    """Record ``value`` under ``name`` for the page's ``{glue}`` roles; return ``value``.
+def glue(name: str, value, display: bool = False) -> None:
+    """Record ``value`` under ``name`` for the page's ``{glue}`` roles.
 
     Parameters
     ----------
     name : str
         The key the page's text uses, for example ``{glue:text}`name:.3f```.
     value : object
-        A number, a :class:`Plain` text, a table or a Matplotlib figure.
+        A number, a :class:`~sdpa_book.display.Plain` text, a table or a Matplotlib figure.
     display : bool, default False
         Also show the value where the cell runs (MyST-NB's meaning).
 
     Returns
     -------
-    object
-        ``value``, unchanged.
+    None
+        As MyST-NB's ``glue``: a cell that ends with a glue shows nothing more.
 
     Raises
     ------
@@ -56,11 +56,10 @@ def glue(name: str, value, display: bool = False):
 
     Examples
     --------
-    Outside the book's build a number is only returned:
+    Outside the book's build a number shows nothing (the text states it already):
 
     >>> from sdpa_book import glue
     >>> glue("answer", 42)
-    42
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str; got {name!r}")
@@ -72,7 +71,6 @@ def glue(name: str, value, display: bool = False):
         from IPython.display import display as show
 
         show(value)
-    return value
 
 
 class Plain:
