@@ -25,10 +25,12 @@ IGNORED = {code for code in CONFIG["checks"] if code != "all"}
 
 def public_objects() -> list[str]:
     names = []
-    for path in sorted((ROOT / "src" / "sdpa").glob("*.py")):
-        if path.stem.startswith("_"):
-            continue
-        module = importlib.import_module(f"sdpa.{path.stem}")
+    package = ROOT / "src" / "sdpa"
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        if any(part.startswith("_") for part in parts):
+            continue  # private modules, and the __init__ of a subpackage (its names live below)
+        module = importlib.import_module(".".join(["sdpa", *parts]))
         for name in getattr(module, "__all__", []):
             obj = getattr(module, name)
             if (

@@ -141,14 +141,17 @@ def linear(x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None) -> np
     Parameters
     ----------
     x : (..., in) array_like
+        The inputs, one row per position.
     weight : (in, out) array_like
         Stored input-major, so the map is one matrix product (``torch.nn.Linear`` stores the
         transpose, ``(out, in)``).
     bias : (out,) array_like, optional
+        Added to every row of the product.
 
     Returns
     -------
     y : (..., out) np.ndarray
+        ``x @ weight + bias``.
 
     Raises
     ------
@@ -264,6 +267,7 @@ def layer_norm(
     Parameters
     ----------
     x : (..., E) array_like
+        The rows to normalise.
     weight : (E,) array_like
         Per-feature gain (often called gamma).
     bias : (E,) array_like
@@ -274,6 +278,7 @@ def layer_norm(
     Returns
     -------
     y : (..., E) np.ndarray
+        The normalised rows, scaled and shifted.
 
     Raises
     ------
@@ -320,6 +325,7 @@ def layer_norm_backward(
     Returns
     -------
     d_x : (..., E) np.ndarray
+        Gradient with respect to ``x``.
     d_weight : (E,) np.ndarray
         ``sum(d_y * x_hat)`` over the leading dimensions.
     d_bias : (E,) np.ndarray
@@ -387,6 +393,7 @@ def rms_norm(x: ArrayLike, weight: ArrayLike, *, eps: float = 1e-6) -> np.ndarra
     Parameters
     ----------
     x : (..., E) array_like
+        The rows to normalise.
     weight : (E,) array_like
         Per-feature gain.
     eps : float, default 1e-6
@@ -395,6 +402,7 @@ def rms_norm(x: ArrayLike, weight: ArrayLike, *, eps: float = 1e-6) -> np.ndarra
     Returns
     -------
     y : (..., E) np.ndarray
+        The rows divided by their root mean square, scaled.
 
     Raises
     ------
@@ -434,6 +442,7 @@ def rms_norm_backward(
     Returns
     -------
     d_x : (..., E) np.ndarray
+        Gradient with respect to ``x``.
     d_weight : (E,) np.ndarray
         ``sum(d_y * x_hat)`` over the leading dimensions.
 
@@ -753,6 +762,7 @@ def embedding_backward(d_out: ArrayLike, indices: ArrayLike, num_embeddings: int
     Returns
     -------
     d_table : (num_embeddings, E) np.ndarray
+        Row ``i`` is the sum of the rows of ``d_out`` whose index is ``i``.
 
     Raises
     ------
