@@ -215,14 +215,14 @@ def repeats_for(n: int, heads: int) -> int:
     return 3
 
 
-def run_case(case, torch, peaks, idle, baseline=None) -> dict:
-    B, H = case["batch"]
-    n, dtype, is_causal = case["n"], np.dtype(case["dtype"]), case["causal"]
-    rng = np.random.default_rng(n + 7 * B * H + is_causal)
-    q, k, v = (rng.standard_normal((B, H, n, D)).astype(dtype) for _ in range(3))
-    io_bytes = q.nbytes  # the output has the size of one input
-    flops = 4 * n * n * D * B * H * (0.5 if is_causal else 1.0)
+def case_implementations(case, q, k, v, torch, baseline=None) -> tuple[dict, dict]:
+    """``(impls, skipped)``: a call of no argument per implementation, and why any is left out.
 
+    The textbook formula is left out when its ``(T, S)`` arrays would not fit comfortably in
+    the memory available.
+    """
+    B, H = case["batch"]
+    n, dtype, is_causal = case["n"], q.dtype, case["causal"]
     impls = {"ours": lambda: scaled_dot_product_attention(q, k, v, is_causal=is_causal)}
     if baseline is not None:
         impls["baseline"] = lambda: baseline.scaled_dot_product_attention(
@@ -241,15 +241,20 @@ def run_case(case, torch, peaks, idle, baseline=None) -> dict:
         )
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
-        F = torch.nn.functional
 
         def run_torch():
             with torch.no_grad():
-                return F.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    tq, tk, tv, is_causal=is_causal
+                )
 
         impls["torch"] = run_torch
+    return impls, skipped
 
-    # Warm-up call of each, measuring memory; keep the outputs for the errors.
+
+def warm_up_with_memory(impls: dict, io_bytes: int, idle: float) -> tuple[dict, dict]:
+    """One call of each implementation: ``(outputs, memory)``, the memory beyond the inputs
+    and output (tracemalloc for NumPy, the peak resident size for torch)."""
     outputs, memory = {}, {}
     for name, f in impls.items():
         time.sleep(idle)
@@ -270,26 +275,54 @@ def run_case(case, torch, peaks, idle, baseline=None) -> dict:
             tracemalloc.stop()
             outputs[name] = out
         del out
+    return outputs, memory
 
+
+def errors_against_exact(outputs: dict, q, k, v, is_causal) -> dict:
+    """Each output's largest error on 128 rows of the first head, against long double."""
+    n = q.shape[-2]
     rows = np.unique(np.linspace(0, n - 1, 128).astype(int))
     exact = exact_rows(q[0, 0], k[0, 0], v[0, 0], is_causal, rows)
-    errors = {
+    return {
         name: float(np.max(np.abs(o[0, 0, rows].astype(np.longdouble) - exact)))
         for name, o in outputs.items()
     }
-    del outputs
 
+
+def interleaved_times(impls: dict, rounds: int, idle: float, slow_after=None) -> dict:
+    """Wall times of each implementation over ``rounds`` interleaved rounds.
+
+    ``slow_after``: the name of an implementation timed in two rounds only (the textbook
+    formula at the largest sizes).
+    """
     times = {name: [] for name in impls}
-    r = repeats_for(n, B * H)
-    for i in range(r):
+    for i in range(rounds):
         for name, f in in_turn(impls, i):
-            if name == "textbook" and n * n * B * H >= 8192**2 and i >= 2:
-                continue  # the slow formula at the largest sizes: two rounds are enough
+            if name == slow_after and i >= 2:
+                continue
             time.sleep(idle)
             t = time.perf_counter()
             out = f()
             times[name].append(time.perf_counter() - t)
             del out
+    return times
+
+
+def run_case(case, torch, peaks, idle, baseline=None) -> dict:
+    """Time one case: the implementations interleaved, their memory, errors and ratios."""
+    B, H = case["batch"]
+    n, dtype, is_causal = case["n"], np.dtype(case["dtype"]), case["causal"]
+    rng = np.random.default_rng(n + 7 * B * H + is_causal)
+    q, k, v = (rng.standard_normal((B, H, n, D)).astype(dtype) for _ in range(3))
+    flops = 4 * n * n * D * B * H * (0.5 if is_causal else 1.0)
+
+    impls, skipped = case_implementations(case, q, k, v, torch, baseline)
+    outputs, memory = warm_up_with_memory(impls, q.nbytes, idle)  # the output has q's size
+    errors = errors_against_exact(outputs, q, k, v, is_causal)
+    del outputs
+    slow = "textbook" if n * n * B * H >= 8192**2 else None
+    times = interleaved_times(impls, repeats_for(n, B * H), idle, slow_after=slow)
+
     result = dict(case)
     result["batch"] = list(case["batch"])
     result["flops"] = flops
@@ -541,7 +574,46 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     return result
 
 
-def markdown(report) -> str:
+def _mib(x, spec=".1f"):
+    return fmt(None if x is None else x / 2**20, spec)
+
+
+# The results table, one (header, cell) pair per column: the one place its columns are defined.
+RESULT_COLUMNS = [
+    ("dtype", lambda r: r["dtype"]),
+    ("causal", lambda r: "yes" if r["causal"] else "no"),
+    ("B x H", lambda r: f"{r['batch'][0]} x {r['batch'][1]}"),
+    ("n", lambda r: str(r["n"])),
+    ("ours", lambda r: fmt_time(r["time"]["ours"])),
+    ("torch", lambda r: fmt_time(r["time"]["torch"]) if "torch" in r["time"] else "n/a"),
+    (
+        "textbook",
+        lambda r: fmt_time(r["time"]["textbook"]) if "textbook" in r["time"] else "skipped",
+    ),
+    ("ours/torch", lambda r: fmt(r["ratio_torch"], ".2f")),
+    ("textbook/ours", lambda r: fmt(r["speedup_textbook"], ".1f")),
+    ("ours GFLOP/s", lambda r: f"{r['gflops']['ours']:.1f}"),
+    ("% peak", lambda r: f"{100 * r['peak_share']['ours']:.0f}"),
+    (
+        "torch % peak",
+        lambda r: fmt(r["peak_share"].get("torch") and 100 * r["peak_share"]["torch"], ".0f"),
+    ),
+    ("ours extra MiB", lambda r: _mib(r["memory"]["ours"])),
+    ("textbook extra MiB", lambda r: _mib(r["memory"].get("textbook"), ".0f")),
+    ("torch extra MiB", lambda r: _mib(r["memory"].get("torch"))),
+    ("ours error", lambda r: f"{r['error']['ours']:.1e}"),
+    ("torch error", lambda r: fmt(r["error"].get("torch"), ".1e")),
+]
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def header_lines(report) -> list[str]:
+    """Title, date, machine, software and load."""
     m = report["machine"]
     lines = [
         f"# Benchmark results ({'quick' if report['quick'] else 'full'} run)",
@@ -549,131 +621,152 @@ def markdown(report) -> str:
         f"- date: {report['date']}",
         f"- machine: {m['cpu']}, {m['cores']} cores; {m.get('blas', 'BLAS unknown')}; "
         f"OPENBLAS_CORETYPE={m.get('OPENBLAS_CORETYPE', 'unset')}",
-        f"- software: Python {m['python']}, NumPy {m['numpy']}, torch {report.get('torch', 'absent')}, sdpa {m['sdpa']}",
+        f"- software: Python {m['python']}, NumPy {m['numpy']}, "
+        f"torch {report.get('torch', 'absent')}, sdpa {m['sdpa']}",
         f"- load average (1 min) before / after: {report['load'][0]:.2f} / {report['load'][1]:.2f}",
     ]
     if report.get("baseline"):
         lines.append(f"- baseline: sdpa at git revision {report['baseline']}, timed interleaved")
-    if "results" in report:
-        lines += [
-            f"- matrix-multiply peak (NumPy BLAS, all cores): float32 {report['peaks']['float32']:.1f} GFLOP/s, "
-            f"float64 {report['peaks']['float64']:.1f} GFLOP/s",
-            f"- head width {D}; time is the median over interleaved rounds; error is the max abs error on 128 rows against np.longdouble",
-            "",
-            "| dtype | causal | B x H | n | ours | torch | textbook | ours/torch | textbook/ours | "
-            "ours GFLOP/s | % peak | torch % peak | ours extra MiB | textbook extra MiB | torch extra MiB | ours error | torch error |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in report["results"]:
-            t = r["time"]
-            mem = r["memory"]
-            lines.append(
-                "| {dtype} | {causal} | {bh} | {n} | {ours} | {torch} | {text} | {rt} | {st} | {gf} | {pk} | {tpk} | {mo} | {mt} | {mto} | {eo} | {et} |".format(
-                    dtype=r["dtype"],
-                    causal="yes" if r["causal"] else "no",
-                    bh=f"{r['batch'][0]} x {r['batch'][1]}",
-                    n=r["n"],
-                    ours=fmt_time(t["ours"]),
-                    torch=fmt_time(t["torch"]) if "torch" in t else "n/a",
-                    text=fmt_time(t["textbook"]) if "textbook" in t else "skipped",
-                    rt=fmt(r["ratio_torch"], ".2f"),
-                    st=fmt(r["speedup_textbook"], ".1f"),
-                    gf=f"{r['gflops']['ours']:.1f}",
-                    pk=f"{100 * r['peak_share']['ours']:.0f}",
-                    tpk=f"{100 * r['peak_share']['torch']:.0f}" if "torch" in t else "n/a",
-                    mo=f"{mem['ours'] / 2**20:.1f}",
-                    mt=f"{mem['textbook'] / 2**20:.0f}" if "textbook" in mem else "n/a",
-                    mto=fmt(None if mem.get("torch") is None else mem["torch"] / 2**20, ".1f"),
-                    eo=f"{r['error']['ours']:.1e}",
-                    et=f"{r['error']['torch']:.1e}" if "torch" in r["error"] else "n/a",
-                )
-            )
-        notes = [
-            f"- n={r['n']} {r['dtype']} causal={r['causal']}: textbook {why}"
-            for r in report["results"]
-            for why in r["skipped"].values()
-        ]
-        if notes:
-            lines += ["", "Skipped:", *notes]
-        if report.get("baseline"):
-            lines += [
-                "",
-                f"## Against the baseline ({report['baseline']})",
-                "",
-                "Both versions' default path (tiled here), timed in the same rounds as torch.",
-                "",
-                "| dtype | causal | B x H | n | ours | baseline | ours/torch | baseline/torch | ours/baseline |",
-                "|---|---|---|---|---|---|---|---|---|",
-            ]
-            for r in report["results"]:
-                t = r["time"]
-                lines.append(
-                    f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | "
-                    f"{r['batch'][0]} x {r['batch'][1]} | {r['n']} | {fmt_time(t['ours'])} | "
-                    f"{fmt_time(t['baseline'])} | {fmt(r['ratio_torch'], '.3f')} | "
-                    f"{fmt(r.get('baseline_ratio_torch'), '.3f')} | "
-                    f"{fmt(r.get('ours_over_baseline'), '.3f')} |"
-                )
-        lines += ["", "## Summary (geometric means)", ""]
-        for key, value in report["summary"].items():
-            if value is not None:
-                lines.append(f"- {key}: {fmt(value, '.3f')}")
-    auto = report.get("auto")
-    if auto:
-        worst = max(r["auto/faster"] for r in auto)
+    return lines
+
+
+def results_lines(report) -> list[str]:
+    """The main table (RESULT_COLUMNS), what was skipped, the baseline, the summary."""
+    lines = [
+        f"- matrix-multiply peak (NumPy BLAS, all cores): float32 "
+        f"{report['peaks']['float32']:.1f} GFLOP/s, float64 {report['peaks']['float64']:.1f} GFLOP/s",
+        f"- head width {D}; time is the median over interleaved rounds; error is the max abs "
+        "error on 128 rows against np.longdouble",
+        "",
+        *table(
+            [header for header, _ in RESULT_COLUMNS],
+            [[cell(r) for _, cell in RESULT_COLUMNS] for r in report["results"]],
+        ),
+    ]
+    notes = [
+        f"- n={r['n']} {r['dtype']} causal={r['causal']}: textbook {why}"
+        for r in report["results"]
+        for why in r["skipped"].values()
+    ]
+    if notes:
+        lines += ["", "Skipped:", *notes]
+    if report.get("baseline"):
         lines += [
             "",
-            '## `implementation="auto"` against the faster path',
+            f"## Against the baseline ({report['baseline']})",
             "",
-            "float32, T = S = n, q, k and v of shape (*lead, n, d); best of 7 interleaved "
-            'rounds. "chosen/faster" compares the path auto takes with the faster one in the '
-            'same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
+            "Both versions' default path (tiled here), timed in the same rounds as torch.",
             "",
-            "| case | lead | n | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in auto:
-            t = r["time"]
-            lines.append(
-                f"| {r['kind']} | {tuple(r['lead'])} | {r['n']} | {r['d']} | "
-                f"{'yes' if r['causal'] else 'no'} | {fmt_time(t['reference'])} | "
-                f"{fmt_time(t['tiled'])} | {fmt_time(t['auto'])} | {r['auto takes']} | "
-                f"{r['chosen/faster']:.2f} | {r['auto/faster']:.2f} |"
-            )
-        lines += ["", f"- worst auto/faster: {worst:.2f} (target: at most 1.10)"]
-    split = report.get("time_split")
-    if split:
-        lines += [
-            "",
-            "## Where the time goes (one core, CPU time)",
-            "",
-            'Best of 11 interleaved rounds; torch and ours on one thread each; "ours without '
-            'exp" is our kernel with its',
-            "elementwise exponential replaced by a multiplication (wrong results, timing only)."
-            + (
-                ' "baseline" is the tiled path at the baseline revision, in the same rounds.'
-                if any("baseline" in r["cpu"] for r in split)
-                else ""
+            *table(
+                [
+                    "dtype",
+                    "causal",
+                    "B x H",
+                    "n",
+                    "ours",
+                    "baseline",
+                    "ours/torch",
+                    "baseline/torch",
+                    "ours/baseline",
+                ],
+                [
+                    [
+                        r["dtype"],
+                        "yes" if r["causal"] else "no",
+                        f"{r['batch'][0]} x {r['batch'][1]}",
+                        str(r["n"]),
+                        fmt_time(r["time"]["ours"]),
+                        fmt_time(r["time"]["baseline"]),
+                        fmt(r["ratio_torch"], ".3f"),
+                        fmt(r.get("baseline_ratio_torch"), ".3f"),
+                        fmt(r.get("ours_over_baseline"), ".3f"),
+                    ]
+                    for r in report["results"]
+                ],
             ),
-            "",
-            "| dtype | causal | n | torch | ours | ours without exp | baseline | ours/torch "
-            "| baseline/torch | ours/baseline | without exp/torch | exp share of ours |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in split:
-            c = r["cpu"]
-            t = c.get("torch")
-            b = c.get("baseline")
-            lines.append(
-                f"| {r['dtype']} | {'yes' if r.get('causal') else 'no'} | {r['n']} "
-                f"| {fmt_time(t) if t else 'n/a'} | {fmt_time(c['ours'])} "
-                f"| {fmt_time(c['ours without exp'])} | {fmt_time(b) if b else 'n/a'} "
-                f"| {fmt(c['ours'] / t if t else None, '.3f')} "
-                f"| {fmt(b / t if t and b else None, '.3f')} "
-                f"| {fmt(c['ours'] / b if b else None, '.3f')} "
-                f"| {fmt(c['ours without exp'] / t if t else None, '.2f')} "
-                f"| {1 - c['ours without exp'] / c['ours']:.0%} |"
-            )
+    lines += ["", "## Summary (geometric means)", ""]
+    lines += [
+        f"- {key}: {fmt(value, '.3f')}"
+        for key, value in report["summary"].items()
+        if value is not None
+    ]
+    return lines
+
+
+def auto_lines(auto) -> list[str]:
+    """implementation="auto" against the faster path, case by case."""
+    lines = []
+    worst = max(r["auto/faster"] for r in auto)
+    lines += [
+        "",
+        '## `implementation="auto"` against the faster path',
+        "",
+        "float32, T = S = n, q, k and v of shape (*lead, n, d); best of 7 interleaved "
+        'rounds. "chosen/faster" compares the path auto takes with the faster one in the '
+        'same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
+        "",
+        "| case | lead | n | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in auto:
+        t = r["time"]
+        lines.append(
+            f"| {r['kind']} | {tuple(r['lead'])} | {r['n']} | {r['d']} | "
+            f"{'yes' if r['causal'] else 'no'} | {fmt_time(t['reference'])} | "
+            f"{fmt_time(t['tiled'])} | {fmt_time(t['auto'])} | {r['auto takes']} | "
+            f"{r['chosen/faster']:.2f} | {r['auto/faster']:.2f} |"
+        )
+    lines += ["", f"- worst auto/faster: {worst:.2f} (target: at most 1.10)"]
+    return lines
+
+
+def split_lines(split) -> list[str]:
+    """Where the time goes, on one core."""
+    lines = []
+    lines += [
+        "",
+        "## Where the time goes (one core, CPU time)",
+        "",
+        'Best of 11 interleaved rounds; torch and ours on one thread each; "ours without '
+        'exp" is our kernel with its',
+        "elementwise exponential replaced by a multiplication (wrong results, timing only)."
+        + (
+            ' "baseline" is the tiled path at the baseline revision, in the same rounds.'
+            if any("baseline" in r["cpu"] for r in split)
+            else ""
+        ),
+        "",
+        "| dtype | causal | n | torch | ours | ours without exp | baseline | ours/torch "
+        "| baseline/torch | ours/baseline | without exp/torch | exp share of ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in split:
+        c = r["cpu"]
+        t = c.get("torch")
+        b = c.get("baseline")
+        lines.append(
+            f"| {r['dtype']} | {'yes' if r.get('causal') else 'no'} | {r['n']} "
+            f"| {fmt_time(t) if t else 'n/a'} | {fmt_time(c['ours'])} "
+            f"| {fmt_time(c['ours without exp'])} | {fmt_time(b) if b else 'n/a'} "
+            f"| {fmt(c['ours'] / t if t else None, '.3f')} "
+            f"| {fmt(b / t if t and b else None, '.3f')} "
+            f"| {fmt(c['ours'] / b if b else None, '.3f')} "
+            f"| {fmt(c['ours without exp'] / t if t else None, '.2f')} "
+            f"| {1 - c['ours without exp'] / c['ours']:.0%} |"
+        )
+    return lines
+
+
+def markdown(report) -> str:
+    """The report as Markdown: each section from its own function, in order."""
+    lines = header_lines(report)
+    if "results" in report:
+        lines += results_lines(report)
+    if report.get("auto"):
+        lines += auto_lines(report["auto"])
+    if report.get("time_split"):
+        lines += split_lines(report["time_split"])
     return "\n".join(lines) + "\n"
 
 
