@@ -723,3 +723,24 @@ def attention_tiled(
     if return_stats:
         return out, lse, plan.m.reshape(*bs, T), plan.ell.reshape(*bs, T)
     return out, lse
+
+
+# Moved to sdpa.cost_model (issue 16); these old names keep working until every page that
+# imports them from here is updated. A module __getattr__, because cost_model imports this
+# module (imports run one way) and so cannot be imported at the top.
+_MOVED_TO_COST_MODEL = {
+    "MIN_TILED_SCORES",
+    "REFERENCE_COST",
+    "TILED_COST",
+    "estimated_times",
+    "tiling_geometry",
+    "worth_tiling",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_COST_MODEL:
+        from . import cost_model  # noqa: PLC0415 - see above
+
+        return getattr(cost_model, name)
+    raise AttributeError(f"module 'sdpa.tiled' has no attribute {name!r}")
