@@ -612,6 +612,19 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def results_table(report, headers: list[str] | None = None) -> list[str]:
+    """The results as a Markdown table of the columns named in ``headers`` (default: all of
+    RESULT_COLUMNS), for this file's report and for any page that shows the results."""
+    columns = dict(RESULT_COLUMNS)
+    headers = list(columns) if headers is None else headers
+    unknown = [h for h in headers if h not in columns]
+    if unknown:
+        raise ValueError(
+            f"headers must be columns of RESULT_COLUMNS {list(columns)}; got {unknown}"
+        )
+    return table(headers, [[columns[h](r) for h in headers] for r in report["results"]])
+
+
 def header_lines(report) -> list[str]:
     """Title, date, machine, software and load."""
     m = report["machine"]
@@ -638,10 +651,7 @@ def results_lines(report) -> list[str]:
         f"- head width {D}; time is the median over interleaved rounds; error is the max abs "
         "error on 128 rows against np.longdouble",
         "",
-        *table(
-            [header for header, _ in RESULT_COLUMNS],
-            [[cell(r) for _, cell in RESULT_COLUMNS] for r in report["results"]],
-        ),
+        *results_table(report),
     ]
     notes = [
         f"- n={r['n']} {r['dtype']} causal={r['causal']}: textbook {why}"

@@ -124,3 +124,19 @@ def test_make_serve_on_a_busy_port_prints_one_clear_line(tmp_path):
         f"cannot serve on http://127.0.0.1:{port}/ (OSError: [Errno 98] Address already in use)"
         in result.stdout
     )
+
+
+def test_results_table_keeps_the_columns_asked_for(run):
+    report = {"results": [dict(dtype="float32", causal=True, batch=[4, 8], n=1024)]}
+    assert run.results_table(report, ["dtype", "causal", "B x H", "n"]) == [
+        "| dtype | causal | B x H | n |",
+        "|---|---|---|---|",
+        "| float32 | yes | 4 x 8 | 1024 |",
+    ]
+
+
+def test_results_table_refuses_an_unknown_column(run):
+    with pytest.raises(
+        ValueError, match=r"headers must be columns of RESULT_COLUMNS .*; got \['speed'\]"
+    ):
+        run.results_table({"results": []}, ["speed"])
