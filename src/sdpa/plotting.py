@@ -1,21 +1,42 @@
-"""Figures for attention: heatmaps with fixed colour ranges and labelled axes (needs matplotlib).
+"""Figures for attention: heatmaps with fixed colour ranges, masks, labelled axes (needs matplotlib).
 
 matplotlib is an optional dependency (``pip install sdpa[docs]``); it is imported only when a
 function here is called. Figures get an opaque white background so that they read the same on
-light and dark pages.
+light and dark pages, and are at most :data:`MAX_WIDTH` inches wide.
+
+Three kinds of array get three kinds of colour map:
+
+* ``kind="weights"``: attention weights, in ``[0, 1]``, a sequential map (viridis);
+* ``kind="signed"``: scores, values, biases, gradients, a diverging map centred on 0;
+* boolean masks: two colours and a legend (:func:`mask_plot`), never a continuous colour bar.
+
+Cells that are masked out are drawn in a neutral grey, apart from small weights.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["new_figure", "heatmap"]
+__all__ = ["MAX_WIDTH", "heatmap", "mask_plot", "new_figure"]
+
+MAX_WIDTH = 7.0  # inches: the book's content column at 1280 px, so figures are never shrunk
+MASKED_COLOR = "#c8c8c8"  # masked cells: a neutral grey that no colour map here contains
+ALLOWED_COLOR = "#0072b2"  # boolean masks: Okabe-Ito blue for "may attend"
+CMAPS = {"weights": "viridis", "signed": "RdBu_r"}
 
 
-def new_figure(ncols: int = 1, nrows: int = 1, *, width: float = 4.2, height: float = 3.4, **kwargs):
+def new_figure(
+    ncols: int = 1,
+    nrows: int = 1,
+    *,
+    width: float = 4.2,
+    height: float = 3.4,
+    max_width: float = MAX_WIDTH,
+    **kwargs,
+):
     """A matplotlib ``(fig, axes)`` pair in the book's style: white background, constrained layout.
 
     Parameters
@@ -23,7 +44,10 @@ def new_figure(ncols: int = 1, nrows: int = 1, *, width: float = 4.2, height: fl
     ncols, nrows : int
         Grid of axes.
     width, height : float
-        Size of *one* panel in inches.
+        Size of *one* panel in inches. When the grid would be wider than ``max_width``, the
+        whole figure is scaled down to ``max_width``, keeping its proportions.
+    max_width : float, default MAX_WIDTH
+        Widest figure allowed, in inches (7.0: the book's content column).
     **kwargs
         Passed to ``matplotlib.pyplot.subplots``.
 
@@ -32,19 +56,38 @@ def new_figure(ncols: int = 1, nrows: int = 1, *, width: float = 4.2, height: fl
     fig, axes
         As from ``plt.subplots``.
 
+    Raises
+    ------
+    TypeError
+        If ``ncols`` or ``nrows`` is not an int.
+    ValueError
+        If a count or size is not positive.
+
     Examples
     --------
     >>> from sdpa.plotting import new_figure
-    >>> fig, ax = new_figure()
+    >>> fig, axes = new_figure(3, width=3.0, height=2.0)
     >>> fig.get_facecolor()
     (1.0, 1.0, 1.0, 1.0)
+    >>> [round(float(x), 2) for x in fig.get_size_inches()]  # 9 x 2 scaled to 7 wide
+    [7.0, 1.56]
     """
     import matplotlib.pyplot as plt
 
+    for name, count in (("ncols", ncols), ("nrows", nrows)):
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+            raise TypeError(f"{name} must be an int; got {count!r}")
+        if count < 1:
+            raise ValueError(f"{name} must be at least 1; got {count}")
+    for name, size in (("width", width), ("height", height), ("max_width", max_width)):
+        if not (isinstance(size, (int, float, np.number)) and np.isfinite(size) and size > 0):
+            raise ValueError(f"{name} must be a positive number of inches; got {size!r}")
+    total_w, total_h = width * ncols, height * nrows
+    shrink = min(1.0, max_width / total_w)
     fig, axes = plt.subplots(
         nrows,
         ncols,
-        figsize=(width * ncols, height * nrows),
+        figsize=(total_w * shrink, total_h * shrink),
         layout="constrained",
         facecolor="white",
         **kwargs,
@@ -52,15 +95,46 @@ def new_figure(ncols: int = 1, nrows: int = 1, *, width: float = 4.2, height: fl
     return fig, axes
 
 
+def _as_2d_real(data, name: str = "data") -> np.ndarray:
+    if data is None:
+        raise TypeError(f"{name} must be a 2-D array of real numbers; got None")
+    if isinstance(data, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} must not be a numpy masked array (its mask would be lost); pass the plain "
+            "array and the masked cells as masked="
+        )
+    array = np.asarray(data)
+    if array.dtype.kind == "c":
+        raise TypeError(
+            f"{name} must be real; got complex dtype {array.dtype} (plot .real, .imag or abs())"
+        )
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be a 2-D array of real numbers; got dtype {array.dtype}")
+    if array.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (T, S); got {name}.shape={array.shape}")
+    return array.astype(float)
+
+
+def _check_labels(labels, n: int, name: str) -> list[str] | None:
+    if labels is None:
+        return None
+    labels = [str(x) for x in labels]
+    if len(labels) != n:
+        raise ValueError(f"{name} must have one label per {'row' if name == 'row_labels' else 'column'} ({n}); got {len(labels)}")
+    return labels
+
+
 def heatmap(
     ax,
     data: ArrayLike,
     *,
+    kind: str = "weights",
     row_labels: Sequence[str] | None = None,
     col_labels: Sequence[str] | None = None,
-    vmin: float = 0.0,
-    vmax: float = 1.0,
-    cmap: str = "viridis",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    cmap: str | None = None,
+    masked: ArrayLike | None = None,
     xlabel: str = "key position j",
     ylabel: str = "query position i",
     colorbar_label: str | None = "attention weight",
@@ -73,12 +147,20 @@ def heatmap(
     ----------
     ax : matplotlib Axes
     data : (T, S) array_like
+        Real numbers.
+    kind : {"weights", "signed"}, default "weights"
+        ``"weights"``: a sequential map over ``[vmin, vmax]`` (default ``[0, 1]``).
+        ``"signed"``: a diverging map centred on 0 over ``[-lim, lim]``, where ``lim`` is
+        ``max(|vmin|, |vmax|)`` when either is given, else the largest ``|data|``.
     row_labels, col_labels : sequence of str, optional
-        Tick labels (for example the tokens).
-    vmin, vmax : float
+        Tick labels (for example the tokens), one per row and column.
+    vmin, vmax : float, optional
         The colour range; fixed so that two heatmaps can be compared by colour.
-    cmap : str
-        A perceptually uniform map (the default, viridis, reads in greyscale too).
+    cmap : str, optional
+        Overrides the map of ``kind``.
+    masked : (T, S) array_like of bool, optional
+        ``True`` where a cell is masked out: drawn grey, whatever its value, so that a masked
+        zero is not mistaken for a small weight.
     xlabel, ylabel, colorbar_label : str
         Axis and colour-bar labels; ``colorbar_label=None`` draws no colour bar.
     annotate : bool, optional
@@ -92,8 +174,12 @@ def heatmap(
 
     Raises
     ------
+    TypeError
+        If ``data`` is None, complex, a masked array or not numeric, or ``masked`` is not
+        boolean.
     ValueError
-        If ``data`` is not 2-D.
+        If ``data`` is not 2-D, ``kind`` is unknown, ``masked`` or the labels do not match its
+        shape, or ``vmin >= vmax``.
 
     Examples
     --------
@@ -103,24 +189,132 @@ def heatmap(
     >>> im = heatmap(ax, np.eye(3), row_labels=list("abc"), col_labels=list("abc"))
     >>> im.get_clim()
     (0.0, 1.0)
+    >>> im = heatmap(ax, [[-2.0, 1.0]], kind="signed", colorbar_label=None)
+    >>> im.get_clim()  # centred on zero
+    (-2.0, 2.0)
     """
-    data = np.asarray(data, dtype=float)
-    if data.ndim != 2:
-        raise ValueError(f"data must be 2-D (T, S); got data.shape={data.shape}")
-    im = ax.imshow(data, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto", interpolation="nearest")
-    if row_labels is not None:
-        ax.set_yticks(range(data.shape[0]), labels=list(row_labels))
-    if col_labels is not None:
-        ax.set_xticks(range(data.shape[1]), labels=list(col_labels))
+    import matplotlib as mpl
+
+    values = _as_2d_real(data)
+    if kind not in CMAPS:
+        raise ValueError(f"kind must be 'weights' or 'signed'; got {kind!r}")
+    if kind == "signed":
+        given = [abs(x) for x in (vmin, vmax) if x is not None]
+        finite = values[np.isfinite(values)]
+        lim = max(given) if given else (float(np.abs(finite).max()) if finite.size else 1.0)
+        lim = lim if lim > 0 else 1.0
+        vmin, vmax = -lim, lim
+    else:
+        vmin = 0.0 if vmin is None else float(vmin)
+        vmax = 1.0 if vmax is None else float(vmax)
+    if not vmin < vmax:
+        raise ValueError(f"vmin must be smaller than vmax; got vmin={vmin}, vmax={vmax}")
+    hidden = np.zeros(values.shape, dtype=bool)
+    if masked is not None:
+        hidden = np.asarray(masked)
+        if hidden.dtype != bool:
+            raise TypeError(f"masked must be a boolean array (True = masked); got dtype {hidden.dtype}")
+        if hidden.shape != values.shape:
+            raise ValueError(
+                f"masked must have the shape of data {values.shape}; got masked.shape={hidden.shape}"
+            )
+    rows = _check_labels(row_labels, values.shape[0], "row_labels")
+    cols = _check_labels(col_labels, values.shape[1], "col_labels")
+    colormap = mpl.colormaps[cmap or CMAPS[kind]].with_extremes(bad=MASKED_COLOR)
+    shown = np.ma.masked_array(values, mask=hidden)
+    im = ax.imshow(shown, vmin=vmin, vmax=vmax, cmap=colormap, aspect="auto", interpolation="nearest")
+    if rows is not None:
+        ax.set_yticks(range(values.shape[0]), labels=rows)
+    if cols is not None:
+        ax.set_xticks(range(values.shape[1]), labels=cols)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if annotate is None:
-        annotate = data.size <= 64
+        annotate = values.size <= 64
     if annotate:
-        mid = (vmin + vmax) / 2
-        for (i, j), value in np.ndenumerate(data):
-            ax.text(j, i, fmt.format(value), ha="center", va="center", fontsize=8,
-                    color="black" if value > mid else "white")
+        for (i, j), value in np.ndenumerate(values):
+            if hidden[i, j]:
+                continue
+            r, g, b, _ = colormap((value - vmin) / (vmax - vmin))
+            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
+            ax.text(j, i, fmt.format(value), ha="center", va="center", fontsize=9,
+                    color="white" if dark else "black")
     if colorbar_label is not None:
         ax.figure.colorbar(im, ax=ax, label=colorbar_label)
+    return im
+
+
+def mask_plot(
+    ax,
+    allowed: ArrayLike,
+    *,
+    row_labels: Sequence[str] | None = None,
+    col_labels: Sequence[str] | None = None,
+    xlabel: str = "key position j",
+    ylabel: str = "query position i",
+    labels: tuple[str, str] = ("may attend", "masked"),
+    legend: bool = True,
+):
+    """Draw a boolean mask in two colours, with a legend (``True`` = may attend).
+
+    Parameters
+    ----------
+    ax : matplotlib Axes
+    allowed : (T, S) array_like of bool
+        The mask, in the package's polarity: ``True`` where query ``i`` may attend key ``j``.
+    row_labels, col_labels : sequence of str, optional
+        Tick labels, one per row and column.
+    xlabel, ylabel : str
+        Axis labels.
+    labels : (str, str)
+        Legend entries for ``True`` and ``False``.
+    legend : bool, default True
+        Draw the legend (below the axes).
+
+    Returns
+    -------
+    matplotlib.image.AxesImage
+
+    Raises
+    ------
+    TypeError
+        If ``allowed`` is not boolean.
+    ValueError
+        If ``allowed`` is not 2-D or the labels do not match it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import causal_mask
+    >>> from sdpa.plotting import new_figure, mask_plot
+    >>> fig, ax = new_figure()
+    >>> im = mask_plot(ax, causal_mask(4))
+    >>> [t.get_text() for t in ax.get_legend().get_texts()]
+    ['may attend', 'masked']
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    if allowed is None:
+        raise TypeError("allowed must be a 2-D boolean array; got None")
+    mask = np.asarray(allowed)
+    if mask.dtype != bool:
+        raise TypeError(f"allowed must be a boolean array (True = may attend); got dtype {mask.dtype}")
+    if mask.ndim != 2:
+        raise ValueError(f"allowed must be 2-D (T, S); got allowed.shape={mask.shape}")
+    rows = _check_labels(row_labels, mask.shape[0], "row_labels")
+    cols = _check_labels(col_labels, mask.shape[1], "col_labels")
+    colors = [MASKED_COLOR, ALLOWED_COLOR]
+    im = ax.imshow(mask.astype(int), cmap=ListedColormap(colors), vmin=0, vmax=1,
+                   aspect="auto", interpolation="nearest")
+    if rows is not None:
+        ax.set_yticks(range(mask.shape[0]), labels=rows)
+    if cols is not None:
+        ax.set_xticks(range(mask.shape[1]), labels=cols)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if legend:
+        handles = [Patch(facecolor=colors[1], label=labels[0]), Patch(facecolor=colors[0], label=labels[1])]
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if cols else -0.12),
+                  ncols=2, frameon=False)
     return im

@@ -12,11 +12,24 @@ display
     :func:`glue`, :class:`Plain`, :func:`vec`, :func:`markdown_table`.
 timing
     :func:`best_time`, :func:`loglog_slope`.
+figures
+    The figure style (applied on import: fonts, colours, SVG in notebooks) and colour roles.
+diagrams
+    Pictures of data flow drawn from a page's own arrays.
 """
 
 from __future__ import annotations
 
 from .display import Plain, glue, markdown_table, vec
 from .timing import best_time, loglog_slope
+
+try:
+    import matplotlib  # noqa: F401
+except ImportError:  # pragma: no cover - without Matplotlib: no figures; glue and tables still work
+    pass
+else:
+    from .figures import apply_style
+
+    apply_style()
 
 __all__ = ["Plain", "best_time", "glue", "loglog_slope", "markdown_table", "vec"]
