@@ -5,7 +5,9 @@ padding). This module is the same algorithm as a learner would write it from the
 way nanoGPT keeps its slow path beside its fast one: the forward pass is two loops over blocks
 of queries and blocks of keys/values, carrying the online-softmax state, and the backward pass
 is two loops the other way round, recomputing the probabilities from the log-sum-exp the
-forward pass saved. Every line is one step of the maths, with its shapes in a comment.
+forward pass saved. Every line is one step of the maths, with its shapes in a comment, and
+the local names are the book's (``scores``, ``weights``, ``m``, ``l``, ``lse``, ``delta``,
+``dq``, ``dk``, ``dv``), since the book prints these functions' source.
 
 Shape letters: ``T`` queries, ``S`` keys, ``Dk`` query/key width, ``Dv`` value width, ``Bq``
 and ``Bk`` the block sizes (the last block of each loop may be shorter).
@@ -45,10 +47,12 @@ def _check_matrix(x: ArrayLike, name: str, letters: str) -> np.ndarray:
     return arr
 
 
-def _prepare(q, k, v, block_q, block_k, scale):
-    """Validate the forward arguments; return working-dtype arrays, the scale and dtypes."""
-    block_q = _check_block(block_q, "block_q")
-    block_k = _check_block(block_k, "block_k")
+def _check_blocks(block_q, block_k) -> tuple[int, int]:
+    return _check_block(block_q, "block_q"), _check_block(block_k, "block_k")
+
+
+def _prepare(q, k, v, scale):
+    """Validate the inputs; return them in the working dtype, the scale and the output dtype."""
     q = _check_matrix(q, "q", "(T, Dk)")
     k = _check_matrix(k, "k", "(S, Dk)")
     v = _check_matrix(v, "v", "(S, Dv)")
@@ -69,7 +73,7 @@ def _prepare(q, k, v, block_q, block_k, scale):
     out_dtype, work = compute_dtype(q, k, v)
     scale = work.type(check_scale(scale, q.shape[1]))
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
-    return q, k, v, scale, block_q, block_k, out_dtype
+    return q, k, v, scale, out_dtype
 
 
 def _check_like(x: ArrayLike, name: str, shape: tuple[int, ...], what: str) -> np.ndarray:
@@ -77,6 +81,14 @@ def _check_like(x: ArrayLike, name: str, shape: tuple[int, ...], what: str) -> n
     if arr.shape != shape:
         raise ValueError(f"{name} must have the shape {what}, {shape}; got {name}.shape={arr.shape}")
     return arr
+
+
+def _check_results(out, lse, d_out, T: int, Dv: int, dtype: np.dtype):
+    """The forward results and the upstream gradient, checked and in the working dtype."""
+    out = _check_like(out, "out", (T, Dv), "of the forward output (T, Dv)")
+    lse = _check_like(lse, "lse", (T,), "of the forward log-sum-exp (T,)")
+    d_out = _check_like(d_out, "d_out", (T, Dv), "of the forward output (T, Dv)")
+    return (x.astype(dtype, copy=False) for x in (out, lse, d_out))
 
 
 def _grad_dtype(x: ArrayLike) -> np.dtype:
@@ -177,26 +189,27 @@ def blocked_attention(
     >>> np.round(weights.sum(axis=1), 12)
     array([1., 1., 1., 1., 1.])
     """
-    q, k, v, scale, block_q, block_k, out_dtype = _prepare(q, k, v, block_q, block_k, scale)
+    block_q, block_k = _check_blocks(block_q, block_k)
+    q, k, v, scale, out_dtype = _prepare(q, k, v, scale)
     T, S, Dv, dtype = q.shape[0], k.shape[0], v.shape[1], q.dtype
     out = np.empty((T, Dv), dtype)  # (T, Dv)
     lse = np.empty(T, dtype)  # (T,)
-    for i in range(0, T, block_q):  # outer loop: one block of queries, independent of the rest
+    for i in range(0, T, block_q):  # outer loop: one block of queries at a time
         q_i = q[i : i + block_q] * scale  # (Bq, Dk), scaled once
         m = np.full(len(q_i), -np.inf, dtype)  # (Bq,) running maximum of the scores
-        l = np.zeros(len(q_i), dtype)  # (Bq,) running sum of exp(score - m)
-        acc = np.zeros((len(q_i), Dv), dtype)  # (Bq, Dv) running sum of exp(score - m) * v
+        l = np.zeros(len(q_i), dtype)  # (Bq,) running sum of exp(scores - m)
+        acc = np.zeros((len(q_i), Dv), dtype)  # (Bq, Dv) running sum of exp(...) * v
         for j in range(0, S, block_k):  # inner loop: every block of keys and values
             k_j, v_j = k[j : j + block_k], v[j : j + block_k]  # (Bk, Dk), (Bk, Dv)
             scores = q_i @ k_j.T  # (Bq, Dk) @ (Dk, Bk) -> (Bq, Bk)
             m_new = np.maximum(m, scores.max(axis=1))  # (Bq,)
-            p = np.exp(scores - m_new[:, None])  # (Bq, Bk), every entry <= 1
+            exp_scores = np.exp(scores - m_new[:, None])  # (Bq, Bk), entries <= 1
             alpha = np.exp(m - m_new)  # (Bq,) moves the old sums to the new maximum
-            l = alpha * l + p.sum(axis=1)  # (Bq,)
-            acc = alpha[:, None] * acc + p @ v_j  # (Bq, Dv) + (Bq, Bk) @ (Bk, Dv)
+            l = alpha * l + exp_scores.sum(axis=1)  # (Bq,)
+            acc = alpha[:, None] * acc + exp_scores @ v_j  # (Bq, Bk) @ (Bk, Dv)
             m = m_new
-        out[i : i + block_q] = acc / l[:, None]  # (Bq, Dv): normalised once, at the end
-        lse[i : i + block_q] = m + np.log(l)  # (Bq,): saved for the backward pass
+        out[i : i + block_q] = acc / l[:, None]  # (Bq, Dv): divided once, at the end
+        lse[i : i + block_q] = m + np.log(l)  # (Bq,): kept for the backward pass
     return out.astype(out_dtype, copy=False), lse.astype(out_dtype, copy=False)
 
 
@@ -292,32 +305,30 @@ def blocked_attention_backward(
     5.0
     """
     q_in, k_in, v_in = q, k, v
-    q, k, v, scale, block_q, block_k, _ = _prepare(q, k, v, block_q, block_k, scale)
-    T, S, Dv, dtype = q.shape[0], k.shape[0], v.shape[1], q.dtype
-    out = _check_like(out, "out", (T, Dv), "of the forward output (T, Dv)").astype(dtype)
-    lse = _check_like(lse, "lse", (T,), "of the forward log-sum-exp (T,)").astype(dtype)
-    d_out = _check_like(d_out, "d_out", (T, Dv), "of the forward output (T, Dv)").astype(dtype)
+    block_q, block_k = _check_blocks(block_q, block_k)
+    q, k, v, scale, _ = _prepare(q, k, v, scale)
+    out, lse, d_out = _check_results(out, lse, d_out, q.shape[0], v.shape[1], q.dtype)
+    T, S = q.shape[0], k.shape[0]
     delta = np.sum(d_out * out, axis=1)  # (T,): rowsum(dO * O), one number per query
-    d_q = np.zeros_like(q)  # (T, Dk), summed over the key blocks
-    d_k = np.empty_like(k)  # (S, Dk)
-    d_v = np.empty_like(v)  # (S, Dv)
+    dq = np.zeros_like(q)  # (T, Dk), summed over the key blocks
+    dk = np.empty_like(k)  # (S, Dk)
+    dv = np.empty_like(v)  # (S, Dv)
     for j in range(0, S, block_k):  # outer loop: one block of keys and values
         k_j, v_j = k[j : j + block_k], v[j : j + block_k]  # (Bk, Dk), (Bk, Dv)
-        d_k_j = np.zeros_like(k_j)  # (Bk, Dk)
-        d_v_j = np.zeros_like(v_j)  # (Bk, Dv)
+        dk_j = np.zeros_like(k_j)  # (Bk, Dk)
+        dv_j = np.zeros_like(v_j)  # (Bk, Dv)
         for i in range(0, T, block_q):  # inner loop: every block of queries
             q_i = q[i : i + block_q] * scale  # (Bq, Dk), scaled as in the forward pass
-            d_out_i = d_out[i : i + block_q]  # (Bq, Dv)
-            p = np.exp(q_i @ k_j.T - lse[i : i + block_q, None])  # (Bq, Bk), recomputed
-            d_v_j += p.T @ d_out_i  # (Bk, Bq) @ (Bq, Dv) -> (Bk, Dv)
-            d_p = d_out_i @ v_j.T  # (Bq, Dv) @ (Dv, Bk) -> (Bq, Bk)
-            d_scores = p * (d_p - delta[i : i + block_q, None])  # (Bq, Bk)
-            d_q[i : i + block_q] += scale * (d_scores @ k_j)  # (Bq, Bk) @ (Bk, Dk)
-            d_k_j += d_scores.T @ q_i  # (Bk, Bq) @ (Bq, Dk): dS transposed, times scale * Q
-        d_k[j : j + block_k] = d_k_j
-        d_v[j : j + block_k] = d_v_j
-    return (
-        d_q.astype(_grad_dtype(q_in), copy=False),
-        d_k.astype(_grad_dtype(k_in), copy=False),
-        d_v.astype(_grad_dtype(v_in), copy=False),
+            dout_i = d_out[i : i + block_q]  # (Bq, Dv)
+            scores = q_i @ k_j.T  # (Bq, Dk) @ (Dk, Bk) -> (Bq, Bk)
+            weights = np.exp(scores - lse[i : i + block_q, None])  # (Bq, Bk), rebuilt
+            dv_j += weights.T @ dout_i  # (Bk, Bq) @ (Bq, Dv) -> (Bk, Dv)
+            dweights = dout_i @ v_j.T  # (Bq, Dv) @ (Dv, Bk) -> (Bq, Bk)
+            dscores = weights * (dweights - delta[i : i + block_q, None])  # (Bq, Bk)
+            dq[i : i + block_q] += scale * (dscores @ k_j)  # (Bq, Bk) @ (Bk, Dk)
+            dk_j += dscores.T @ q_i  # (Bk, Bq) @ (Bq, Dk): dscores transposed
+        dk[j : j + block_k] = dk_j
+        dv[j : j + block_k] = dv_j
+    return tuple(
+        grad.astype(_grad_dtype(x), copy=False) for grad, x in ((dq, q_in), (dk, k_in), (dv, v_in))
     )

@@ -116,7 +116,7 @@ class TwoLevelMemory:
     >>> mem.load("two rows", slow[1:])
     Traceback (most recent call last):
     ...
-    sdpa.iomodel.FastMemoryOverflow: fast memory of 10 words cannot hold 'two rows' (8 words) beside the 5 words it holds already (row: 4, total: 1)
+    sdpa.iomodel.FastMemoryOverflow: fast memory of 10 words cannot hold 'two rows' (8 words) ...
     """
 
     def __init__(self, capacity: int) -> None:
