@@ -83,12 +83,13 @@ def _check_like(x: ArrayLike, name: str, shape: tuple[int, ...], what: str) -> n
     return arr
 
 
-def _check_results(out, lse, d_out, T: int, Dv: int, dtype: np.dtype):
-    """The forward results and the upstream gradient, checked and in the working dtype."""
+def _check_results(out, lse, d_out, q: np.ndarray, v: np.ndarray):
+    """The forward results and the upstream gradient, checked, in the working dtype of q."""
+    T, Dv = q.shape[0], v.shape[1]
     out = _check_like(out, "out", (T, Dv), "of the forward output (T, Dv)")
     lse = _check_like(lse, "lse", (T,), "of the forward log-sum-exp (T,)")
     d_out = _check_like(d_out, "d_out", (T, Dv), "of the forward output (T, Dv)")
-    return (x.astype(dtype, copy=False) for x in (out, lse, d_out))
+    return (x.astype(q.dtype, copy=False) for x in (out, lse, d_out))
 
 
 def _grad_dtype(x: ArrayLike) -> np.dtype:
@@ -194,22 +195,23 @@ def blocked_attention(
     T, S, Dv, dtype = q.shape[0], k.shape[0], v.shape[1], q.dtype
     out = np.empty((T, Dv), dtype)  # (T, Dv)
     lse = np.empty(T, dtype)  # (T,)
-    for i in range(0, T, block_q):  # outer loop: one block of queries at a time
+    for i in range(0, T, block_q):  # outer loop: one block of queries
         q_i = q[i : i + block_q] * scale  # (Bq, Dk), scaled once
-        m = np.full(len(q_i), -np.inf, dtype)  # (Bq,) running maximum of the scores
+        m = np.full(len(q_i), -np.inf, dtype)  # (Bq,) running maximum
         l = np.zeros(len(q_i), dtype)  # (Bq,) running sum of exp(scores - m)
-        acc = np.zeros((len(q_i), Dv), dtype)  # (Bq, Dv) running sum of exp(...) * v
-        for j in range(0, S, block_k):  # inner loop: every block of keys and values
-            k_j, v_j = k[j : j + block_k], v[j : j + block_k]  # (Bk, Dk), (Bk, Dv)
+        acc = np.zeros((len(q_i), Dv), dtype)  # (Bq, Dv) sum of exp(...) * v
+        for j in range(0, S, block_k):  # inner loop: all key/value blocks
+            k_j = k[j : j + block_k]  # (Bk, Dk)
+            v_j = v[j : j + block_k]  # (Bk, Dv)
             scores = q_i @ k_j.T  # (Bq, Dk) @ (Dk, Bk) -> (Bq, Bk)
             m_new = np.maximum(m, scores.max(axis=1))  # (Bq,)
-            exp_scores = np.exp(scores - m_new[:, None])  # (Bq, Bk), entries <= 1
-            alpha = np.exp(m - m_new)  # (Bq,) moves the old sums to the new maximum
+            exp_scores = np.exp(scores - m_new[:, None])  # (Bq, Bk), <= 1
+            alpha = np.exp(m - m_new)  # (Bq,) rescales the old sums, <= 1
             l = alpha * l + exp_scores.sum(axis=1)  # (Bq,)
-            acc = alpha[:, None] * acc + exp_scores @ v_j  # (Bq, Bk) @ (Bk, Dv)
+            acc = alpha[:, None] * acc + exp_scores @ v_j  # (Bq, Dv)
             m = m_new
-        out[i : i + block_q] = acc / l[:, None]  # (Bq, Dv): divided once, at the end
-        lse[i : i + block_q] = m + np.log(l)  # (Bq,): kept for the backward pass
+        out[i : i + block_q] = acc / l[:, None]  # (Bq, Dv), divided once
+        lse[i : i + block_q] = m + np.log(l)  # (Bq,), for the backward pass
     return out.astype(out_dtype, copy=False), lse.astype(out_dtype, copy=False)
 
 
@@ -307,28 +309,29 @@ def blocked_attention_backward(
     q_in, k_in, v_in = q, k, v
     block_q, block_k = _check_blocks(block_q, block_k)
     q, k, v, scale, _ = _prepare(q, k, v, scale)
-    out, lse, d_out = _check_results(out, lse, d_out, q.shape[0], v.shape[1], q.dtype)
+    out, lse, d_out = _check_results(out, lse, d_out, q, v)
     T, S = q.shape[0], k.shape[0]
-    delta = np.sum(d_out * out, axis=1)  # (T,): rowsum(dO * O), one number per query
+    delta = np.sum(d_out * out, axis=1)  # (T,): rowsum(dO * O), one per query
     dq = np.zeros_like(q)  # (T, Dk), summed over the key blocks
     dk = np.empty_like(k)  # (S, Dk)
     dv = np.empty_like(v)  # (S, Dv)
     for j in range(0, S, block_k):  # outer loop: one block of keys and values
-        k_j, v_j = k[j : j + block_k], v[j : j + block_k]  # (Bk, Dk), (Bk, Dv)
+        k_j = k[j : j + block_k]  # (Bk, Dk)
+        v_j = v[j : j + block_k]  # (Bk, Dv)
         dk_j = np.zeros_like(k_j)  # (Bk, Dk)
         dv_j = np.zeros_like(v_j)  # (Bk, Dv)
         for i in range(0, T, block_q):  # inner loop: every block of queries
-            q_i = q[i : i + block_q] * scale  # (Bq, Dk), scaled as in the forward pass
+            q_i = q[i : i + block_q] * scale  # (Bq, Dk), as in the forward
             dout_i = d_out[i : i + block_q]  # (Bq, Dv)
+            delta_i = delta[i : i + block_q, None]  # (Bq, 1)
             scores = q_i @ k_j.T  # (Bq, Dk) @ (Dk, Bk) -> (Bq, Bk)
-            weights = np.exp(scores - lse[i : i + block_q, None])  # (Bq, Bk), rebuilt
+            weights = np.exp(scores - lse[i : i + block_q, None])  # (Bq, Bk)
             dv_j += weights.T @ dout_i  # (Bk, Bq) @ (Bq, Dv) -> (Bk, Dv)
             dweights = dout_i @ v_j.T  # (Bq, Dv) @ (Dv, Bk) -> (Bq, Bk)
-            dscores = weights * (dweights - delta[i : i + block_q, None])  # (Bq, Bk)
-            dq[i : i + block_q] += scale * (dscores @ k_j)  # (Bq, Bk) @ (Bk, Dk)
-            dk_j += dscores.T @ q_i  # (Bk, Bq) @ (Bq, Dk): dscores transposed
+            dscores = weights * (dweights - delta_i)  # (Bq, Bk)
+            dq[i : i + block_q] += scale * dscores @ k_j  # (Bq, Bk) @ (Bk, Dk)
+            dk_j += dscores.T @ q_i  # (Bk, Bq) @ (Bq, Dk): transposed
         dk[j : j + block_k] = dk_j
         dv[j : j + block_k] = dv_j
-    return tuple(
-        grad.astype(_grad_dtype(x), copy=False) for grad, x in ((dq, q_in), (dk, k_in), (dv, v_in))
-    )
+    grads = ((dq, q_in), (dk, k_in), (dv, v_in))
+    return tuple(grad.astype(_grad_dtype(x), copy=False) for grad, x in grads)
