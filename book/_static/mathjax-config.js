@@ -7,7 +7,12 @@
   config.loader = config.loader || {};
   // [mathjax] is the folder that tex-chtml.js was loaded from; the font sits beside it.
   config.loader.paths = Object.assign({}, config.loader.paths, { fonts: "[mathjax]/fonts" });
-  config.output = Object.assign({ font: "mathjax-newcm" }, config.output);
+  // Long display formulas break across lines to fit the column (a phone included) instead of
+  // hiding their end behind a scrollbar; in-line formulas may break at operators too.
+  config.output = Object.assign(
+    { font: "mathjax-newcm", displayOverflow: "linebreak", linebreaks: { inline: true, width: "100%" } },
+    config.output
+  );
   config.options = config.options || {};
   // MyST marks each page "mathjax_ignore" and lets MathJax into the elements it typeset itself
   // (processHtmlClass). Bibliography entries come from BibTeX, where $...$ is maths: let MathJax

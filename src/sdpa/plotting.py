@@ -2,7 +2,7 @@
 
 matplotlib is an optional dependency (``pip install sdpa[docs]``); it is imported only when a
 function here is called. Figures get an opaque white background so that they read the same on
-light and dark pages, and are at most :data:`MAX_WIDTH` inches wide.
+light and dark pages, and are at most ``MAX_WIDTH`` (7.0) inches wide.
 
 Three kinds of array get three kinds of colour map:
 

@@ -1,0 +1,268 @@
+"""The book's pages follow the conventions of CONTRIBUTING.md ("Writing a book page").
+
+Two sources are checked:
+
+* the **built site** (``_build/html``): every code cell a reader sees without opening anything
+  teaches, so it holds no ``glue(``, ``assert`` or ``np.testing``, at most ``MAX_LINES`` lines
+  of code and no line over 88 characters;
+* the **MyST sources** (``book/``): every page opens with an "On this page" box; every exercise
+  uses the one markup (an ``exercise`` admonition, a ``solution`` dropdown right after it, the
+  solution's code in a labelled ``hide-cell`` cell); and the book keeps at least as many glued
+  values and asserted claims as it had when this check was written.
+
+The site checks skip when the site is not built (``make html``), except under
+``SDPA_REQUIRE_REFERENCES=1`` (CI), where they fail.
+
+Pages still waiting for their rewrite are listed in ``NOT_YET_CONVERTED``: their page checks are
+allowed to fail (a non-strict ``xfail``, since some checks pass on them already); the list is
+emptied as the rewritten pages land.
+``SDPA_PAGES_STRICT=1`` ignores the list, to check a page while rewriting it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+SITE = Path(os.environ.get("SDPA_SITE_DIR", ROOT / "_build" / "html"))
+REQUIRE = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"
+
+MAX_LINE = 88
+MAX_LINES = 15  # lines of code in one visible cell, blank lines not counted
+FORBIDDEN = [("glue(", "a glue call"), ("np.testing", "an np.testing check")]
+ASSERT = re.compile(r"^\s*assert\b", re.M)
+
+# The book's totals when the pages were first checked (2026-11-23): 396 glued names referenced
+# by the text and 367 assertion lines. Moving a check to another page is fine; losing one is not.
+MIN_GLUED_NAMES = 396
+MIN_ASSERTIONS = 367
+
+# Pages with no "On this page" box: the landing page and reference pages that are lists.
+NO_OVERVIEW = {"index.md", "appendix/api.md", "appendix/bibliography.md", "appendix/glossary.md"}
+
+# Pages whose rewrite (issues 10-12) has not landed yet, one per line; emptied as they land.
+NOT_YET_CONVERTED = {
+    line.strip()
+    for line in (Path(__file__).parent / "pages-not-yet-rewritten.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+}
+STRICT = os.environ.get("SDPA_PAGES_STRICT") == "1"
+
+SOURCES = sorted(p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(BOOK).as_posix()
+
+
+def _pages(exclude=frozenset()) -> list:
+    """Source pages as test parameters; those not yet rewritten are expected to fail."""
+    params = []
+    for path in SOURCES:
+        page = _rel(path)
+        if page in exclude:
+            continue
+        marks = []
+        if page in NOT_YET_CONVERTED and not STRICT:
+            marks = [pytest.mark.xfail(reason="page not yet rewritten (issues 10-12)", strict=False)]
+        params.append(pytest.param(page, marks=marks, id=page))
+    return params
+
+
+def _code_cells(text: str) -> list[tuple[list[str], str]]:
+    """The code cells of a MyST notebook: (tags, source) for each ``{code-cell}`` block."""
+    cells = []
+    for match in re.finditer(r"^```\{code-cell\}[^\n]*\n(.*?)^```\s*$", text, re.M | re.S):
+        body = match.group(1)
+        tags: list[str] = []
+        tag_line = re.search(r"^:tags:\s*\[([^\]]*)\]", body, re.M)
+        if tag_line:
+            tags = [t.strip().strip("'\"") for t in tag_line.group(1).split(",") if t.strip()]
+        code = "\n".join(line for line in body.splitlines() if not line.startswith(":"))
+        cells.append((tags, code))
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------
+# The built site
+
+
+def _site_pages() -> list[Path]:
+    if not (SITE / "index.html").exists():
+        return []
+    return [SITE / _rel(p).replace(".md", ".html") for p in SOURCES]
+
+
+def _visible_code(html_path: Path) -> list[str]:
+    """The code of each cell whose input a reader sees without opening a toggle."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html_path.read_text(encoding="utf-8"), "html.parser")
+    found = []
+    for cell_input in soup.select("div.cell div.cell_input"):
+        if cell_input.find_parent("details") is not None:
+            continue  # hide-input / hide-cell: folded away
+        pre = cell_input.find("pre")
+        if pre is not None:
+            found.append(pre.get_text())
+    return found
+
+
+@pytest.fixture(scope="module")
+def site_pages() -> list[Path]:
+    pages = _site_pages()
+    if not pages:
+        reason = f"the site is not built: no {SITE / 'index.html'}; run `make html` first"
+        if REQUIRE:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return pages
+
+
+def _problems_in_cell(code: str) -> list[str]:
+    problems = [f"contains {what}" for needle, what in FORBIDDEN if needle in code]
+    if ASSERT.search(code):
+        problems.append("contains an assert")
+    lines = [line for line in code.splitlines() if line.strip()]
+    long = [line for line in lines if len(line) > MAX_LINE]
+    if long:
+        problems.append(f"{len(long)} line(s) over {MAX_LINE} characters, e.g. {long[0][:60]!r}...")
+    if len(lines) > MAX_LINES:
+        problems.append(f"{len(lines)} lines of code (at most {MAX_LINES})")
+    return problems
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_visible_code_cells_only_teach(site_pages, page):
+    html = SITE / page.replace(".md", ".html")
+    assert html.exists(), f"{page}: not built"
+    problems = []
+    for i, code in enumerate(_visible_code(html)):
+        for problem in _problems_in_cell(code):
+            first = code.strip().splitlines()[0][:50] if code.strip() else ""
+            problems.append(f"visible cell {i} ({first!r}): {problem}")
+    assert not problems, f"{page}:\n  " + "\n  ".join(problems)
+
+
+def test_the_cell_check_catches_what_it_should():
+    assert _problems_in_cell("x = 1\nglue('a', x)") == ["contains a glue call"]
+    assert _problems_in_cell("assert x == 1") == ["contains an assert"]
+    assert _problems_in_cell("np.testing.assert_allclose(a, b)") == ["contains an np.testing check"]
+    assert _problems_in_cell("y = 2  # an assertion in words is fine") == []
+    assert "over 88 characters" in _problems_in_cell("x = " + "1" * 90)[0]
+    assert _problems_in_cell("\n".join(f"x{i} = {i}" for i in range(16))) == [
+        "16 lines of code (at most 15)"
+    ]
+
+
+def test_visible_code_reader_skips_folded_cells(tmp_path):
+    page = tmp_path / "p.html"
+    page.write_text(
+        '<div class="cell"><div class="cell_input"><pre>a = 1</pre></div></div>'
+        '<div class="cell"><details><div class="cell_input"><pre>assert a</pre></div></details></div>',
+        encoding="utf-8",
+    )
+    assert _visible_code(page) == ["a = 1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The sources
+
+
+@pytest.mark.parametrize("page", _pages(exclude=NO_OVERVIEW))
+def test_page_opens_with_an_overview(page):
+    text = (BOOK / page).read_text(encoding="utf-8")
+    title = re.search(r"^# .+$", text, re.M)
+    assert title, f"{page}: no title"
+    after = text[title.end():]
+    box = re.match(r"\s*:{3,}\{admonition\} On this page\n:class: overview\n(.*?)\n:{3,}", after, re.S)
+    assert box, f"{page}: the first thing after the title must be the 'On this page' box"
+    body = box.group(1)
+    points = re.findall(r"^- ", body.split("**You need**")[0], re.M)
+    assert "**You will learn**" in body and 3 <= len(points) <= 5, (
+        f"{page}: 'You will learn' needs 3 to 5 points; found {len(points)}"
+    )
+    assert "**You need**" in body, f"{page}: say what the page assumes ('**You need**')"
+
+
+def _exercise_problems(text: str) -> list[str]:
+    problems = []
+    for match in re.finditer(r"^(:{3,})\{admonition\} (Exercise[^\n]*)\n", text, re.M):
+        fence, title = match.group(1), match.group(2)
+        rest = text[match.end():]
+        if not rest.startswith(":class: exercise\n"):
+            problems.append(f"{title!r}: needs ':class: exercise'")
+        close = re.search(rf"^{fence}\s*$", rest, re.M)
+        if close is None:
+            problems.append(f"{title!r}: not closed")
+            continue
+        after = rest[close.end():].lstrip("\n")
+        solution = re.match(r"(:{3,})\{dropdown\} Solution\n:class-container: solution\n", after)
+        if solution is None:
+            problems.append(f"{title!r}: must be followed by a 'Solution' dropdown with class solution")
+            continue
+        sol_rest = after[solution.end():]
+        sol_close = re.search(rf"^{solution.group(1)}\s*$", sol_rest, re.M)
+        body = sol_rest[: sol_close.start()] if sol_close else sol_rest
+        if not re.search(r"\{glue(:\w+)?\}`", body):
+            problems.append(f"{title!r}: the written solution states no glued number")
+    # Anything that looks like an exercise in another markup.
+    for match in re.finditer(r"^:{3,}\{(?!admonition\} Exercise)[^}]*\}[^\n]*Exercise", text, re.M):
+        problems.append(f"exercise in another markup: {match.group(0)!r}")
+    for tags, code in _code_cells(text):
+        if "solution" in tags:
+            if "hide-cell" not in tags:
+                problems.append("a solution's code cell must be tagged hide-cell")
+    for match in re.finditer(r"^```\{code-cell\}[^\n]*\n(:tags:[^\n]*solution[^\n]*\n(?::[^\n]*\n)*)", text, re.M):
+        if "Show the solution's code" not in match.group(1):
+            problems.append("a solution's code cell must be labelled \"Show the solution's code\"")
+    return problems
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_exercises_use_the_one_markup(page):
+    problems = _exercise_problems((BOOK / page).read_text(encoding="utf-8"))
+    assert not problems, f"{page}:\n  " + "\n  ".join(problems)
+
+
+def test_the_exercise_check_catches_old_markup():
+    old = "::::{admonition} Exercise 1: x\n:class: tip\n\nQ\n::::\n"
+    assert any("class: exercise" in p for p in _exercise_problems(old))
+    detached = (
+        "::::{admonition} Exercise 1: x\n:class: exercise\n\nQ\n::::\n\nText.\n"
+        ":::{dropdown} Solution\n:class-container: solution\n\nA {glue:text}`n`.\n:::\n"
+    )
+    assert any("followed by a 'Solution'" in p for p in _exercise_problems(detached))
+    no_number = (
+        "::::{admonition} Exercise 1: x\n:class: exercise\n\nQ\n::::\n\n"
+        ":::{dropdown} Solution\n:class-container: solution\n\nIt is large.\n:::\n"
+    )
+    assert any("no glued number" in p for p in _exercise_problems(no_number))
+    good = no_number.replace("It is large.", "It is {glue:text}`n:.2f`.")
+    assert _exercise_problems(good) == []
+
+
+def _glued_names(text: str) -> set[str]:
+    roles = re.findall(r"\{glue(?::\w+)?\}`([^`:]+)", text)
+    blocks = re.findall(r"^(?:`{3,}|:{3,})\{glue(?::\w+)?\}\s+(\S+)", text, re.M)
+    return set(roles) | set(blocks)
+
+
+def test_the_book_keeps_its_glued_numbers_and_assertions():
+    names = sum(len(_glued_names(p.read_text(encoding="utf-8"))) for p in SOURCES)
+    asserts = 0
+    for p in SOURCES:
+        for _, code in _code_cells(p.read_text(encoding="utf-8")):
+            asserts += len(re.findall(r"^\s*(?:assert\b|np\.testing\.assert)", code, re.M))
+    assert names >= MIN_GLUED_NAMES, f"{names} glued names referenced; the book had {MIN_GLUED_NAMES}"
+    assert asserts >= MIN_ASSERTIONS, f"{asserts} assertion lines; the book had {MIN_ASSERTIONS}"
+
+
+def test_glue_comes_from_sdpa_book():
+    offenders = [_rel(p) for p in SOURCES if "myst_nb" in p.read_text(encoding="utf-8")]
+    assert not offenders, f"pages importing myst_nb (use `from sdpa_book import glue`): {offenders}"
