@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import math
 import os
+import re
 import shutil
 import sys
 from importlib import metadata
@@ -27,7 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-project = "sdpa: scaled dot-product attention"
+BOOK_TITLE = "Scaled Dot-Product Attention, from Intuition to Kernels"
+project = BOOK_TITLE
 author = "the sdpa authors"
 copyright = "2026, the sdpa authors"
 
@@ -76,7 +79,7 @@ autodoc_member_order = "bysource"
 mathjax_path = "mathjax/tex-chtml.js"
 
 html_theme = "sphinx_book_theme"
-html_title = "sdpa"
+html_title = BOOK_TITLE  # the sidebar and the browser tab show the book's own title
 html_favicon = "book/_static/favicon.svg"  # also spares the browser a request for /favicon.ico
 html_static_path = ["book/_static"]
 html_css_files = ["sdpa.css"]
@@ -234,6 +237,47 @@ def copy_notebooks(app, exception) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Reading times on the landing page, computed from the pages themselves.
+
+WORDS_PER_MINUTE = 200  # prose; code a reader reads counts at half speed
+READING_TIME = re.compile(r"\[\[minutes:([\w/.-]+)\]\]")
+
+
+def reading_minutes(text: str) -> int:
+    """Minutes to read a MyST page: its prose and visible code, hidden cells and markup excluded."""
+    words = 0.0
+    cells = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+    for match in cells.finditer(text):
+        body = match.group(1)
+        if re.search(r"^:tags:.*\b(remove-cell|remove-input|hide-cell|hide-input)\b", body, re.M):
+            continue
+        code = [line for line in body.splitlines() if line.strip() and not line.startswith(":")]
+        words += 0.5 * sum(len(line.split()) for line in code)
+    prose = cells.sub("", text)
+    prose = re.sub(r"\A---\n.*?\n---\n", "", prose, flags=re.S)  # front matter
+    prose = re.sub(r"^(:{3,}|`{3,}).*$|^:\w[\w-]*:.*$|^%.*$|^\(.*\)=$", "", prose, flags=re.M)
+    prose = re.sub(r"\{[\w:-]+\}`([^`<]*)(<[^>]*>)?`", r"\1", prose)  # roles: keep their text
+    words += len(re.findall(r"[A-Za-z0-9]+(?:[-'][A-Za-z0-9]+)*", prose))
+    return max(1, math.ceil(words / WORDS_PER_MINUTE))
+
+
+def write_reading_times(app, docname, source) -> None:
+    """Replace ``[[minutes:docname]]`` by the reading time of that page, e.g. ``8 min``."""
+
+    def minutes(match) -> str:
+        path = Path(app.srcdir) / f"{match.group(1)}.md"
+        return f"{reading_minutes(path.read_text(encoding='utf-8'))} min"
+
+    if "[[minutes:" in source[0]:
+        source[0] = READING_TIME.sub(minutes, source[0])
+
+
+def landing_page_is_always_outdated(app, env, added, changed, removed) -> list[str]:
+    """The landing page shows every page's reading time: re-read it whenever a page changed."""
+    return ["index"] if (added or changed or removed) and "index" not in changed else []
+
+
+# --------------------------------------------------------------------------------------------
 # The API reference lists whatever sdpa.__all__ holds when the book is built.
 
 API_MARKER = "% sdpa-api-members"
@@ -268,6 +312,8 @@ def write_api_reference(app, docname, source) -> None:
 
 def setup(app):
     app.connect("source-read", write_api_reference)
+    app.connect("source-read", write_reading_times)
+    app.connect("env-get-outdated", landing_page_is_always_outdated)
     app.add_config_value("sdpa_package_fingerprint", "", "env", types=frozenset({str}))
     # Before myst-nb reads nb_execution_cache_path in builder-inited.
     app.connect("config-inited", key_execution_cache)

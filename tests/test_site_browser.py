@@ -1,10 +1,15 @@
-"""Open every page of the built book in headless Chromium, over http and from file://.
+"""Open every page of the built book in headless Chromium, as a reader on a desktop and on a phone.
 
-For each page the test asserts what a reader with no network needs: no console error, no failed
-request and no request to any host but 127.0.0.1; every formula typeset by MathJax (no raw TeX
-left in the text, no MathJax error); every image loaded; and, over http, working links to the
-page's downloadable sources (.md, and .ipynb for executed pages). It saves a full-page screenshot
-of each page in ``_build/screenshots/<mode>/``: light colours over http, dark colours from file://.
+Each page is opened twice: on a **desktop** (1280 x 900, light colours, over http from 127.0.0.1)
+and on a **phone** (390 x 844, dark colours, from file://). For each visit the test asserts what a
+reader with no network needs: no console error, no failed request and no request to any host but
+127.0.0.1; every formula typeset by MathJax (no raw TeX left in the text, no MathJax error); every
+image loaded and described by alt text; and, over http, working links to the page's downloadable
+sources (.md, and .ipynb for executed pages). It also asserts that nothing is clipped: on the
+desktop no table, formula or figure is wider than the content column and no figure is shrunk below
+3/4 of its size (so its 9-point text stays at least 9 px); on the phone the page never scrolls
+sideways, and a table too wide for the screen scrolls inside a container that shows a cue. A
+full-page screenshot of each visit is saved in ``_build/screenshots/<mode>/``.
 
 The pages are visited once per mode by a module fixture (a few at a time, to keep the run short);
 each page then has its own test that reports what was found there.
@@ -74,7 +79,12 @@ SOURCE_PAGES = {
     for p in (ROOT / "book").rglob("*.md")
     if "_static" not in p.parts
 }
-MODES = {"http": "light", "file": "dark"}  # how a page is opened -> the colour scheme used
+# How a page is opened: transport, colour scheme and viewport.
+MODES = {
+    "desktop": {"transport": "http", "scheme": "light", "viewport": {"width": 1280, "height": 900}},
+    "phone": {"transport": "file", "scheme": "dark", "viewport": {"width": 390, "height": 844}},
+}
+MIN_FIGURE_SCALE = 0.75  # 9-point figure text renders at >= 9 px (1 pt = 4/3 px at scale 1)
 
 
 def _skip_or_fail(reason: str) -> None:
@@ -84,7 +94,8 @@ def _skip_or_fail(reason: str) -> None:
 
 
 def _shot_path(mode: str, page: str) -> Path:
-    folder = f"{mode}-{MODES[mode]}"
+    m = MODES[mode]
+    folder = f"{mode}-{m['scheme']}-{m['viewport']['width']}"
     return SCREENSHOTS / folder / (page.removesuffix(".html").replace("/", "__") + ".png")
 
 
@@ -92,7 +103,7 @@ def _allowed(url: str, mode: str) -> bool:
     parts = urlsplit(url)
     if parts.scheme in ("data", "blob", "about"):
         return True
-    if mode == "file":
+    if MODES[mode]["transport"] == "file":
         return parts.scheme == "file"
     return parts.scheme == "http" and parts.hostname == "127.0.0.1"
 
@@ -123,7 +134,35 @@ async () => {
   copy.querySelectorAll("pre, code, script, style, mjx-container, .highlight, textarea")
       .forEach((node) => node.remove());
 
+  // Layout: what is wider than the content column, what scrolls, how much figures are shrunk.
+  const column = article.getBoundingClientRect();
+  const describe = (node) => {
+    const id = node.id || (node.closest("[id]") || {}).id || "";
+    return `${node.tagName.toLowerCase()}#${id}`;
+  };
+  const wide = [];
+  const selectors = "table, mjx-container[display='true'], img, figure, div.math, .cell_output";
+  article.querySelectorAll(selectors).forEach((node) => {
+    const box = node.getBoundingClientRect();
+    if (box.width === 0) return;
+    const scroller = node.closest(".pst-scrollable-table-container, div.math, mjx-container[display='true']");
+    const clipped = box.right > column.right + 1 || box.left < column.left - 1;
+    const inner = node.scrollWidth > node.clientWidth + 1 && getComputedStyle(node).overflowX !== "visible";
+    if (clipped || inner) {
+      wide.push({what: describe(node), width: Math.round(Math.max(box.width, node.scrollWidth)),
+                 column: Math.round(column.width), scrolls: !!scroller || inner,
+                 cue: !!scroller && scroller.classList.contains("pst-scrollable-table-container")
+                      && getComputedStyle(scroller).backgroundImage.includes("gradient")});
+    }
+  });
+  const figures = images.filter((img) => img.closest("article") && img.naturalWidth > 0)
+    .map((img) => ({src: img.currentSrc || img.src, alt: (img.getAttribute("alt") || "").trim(),
+                    scale: img.clientWidth / img.naturalWidth, natural: img.naturalWidth}));
+
   return {
+    pageScroll: document.documentElement.scrollWidth - window.innerWidth,
+    wide,
+    figures,
     mathNodes: mathNodes.length,
     containers: article.querySelectorAll("mjx-container").length,
     untypeset,
@@ -136,6 +175,31 @@ async () => {
   };
 }
 """
+
+
+def _judge_layout(report: dict, mode: str) -> list[str]:
+    """Nothing clipped: the desktop fits the column; the phone scrolls only inside containers."""
+    problems = []
+    missing_alt = [f["src"].rsplit("/", 1)[-1] for f in report["figures"] if not f["alt"]]
+    if missing_alt:
+        problems.append(f"images without alt text: {missing_alt}")
+    if mode == "desktop":
+        if report["wide"]:
+            problems.append(f"wider than the content column: {report['wide'][:5]}")
+        shrunk = [(f["src"].rsplit("/", 1)[-1], round(f["scale"], 2)) for f in report["figures"]
+                  if f["natural"] > 100 and f["scale"] < MIN_FIGURE_SCALE]
+        if shrunk:
+            problems.append(f"figures shrunk below {MIN_FIGURE_SCALE} of their size: {shrunk}")
+    else:
+        if report["pageScroll"] > 1:
+            problems.append(f"the page scrolls sideways by {report['pageScroll']} px")
+        no_cue = [w for w in report["wide"] if w["what"].startswith("table") and not w["cue"]]
+        if no_cue:
+            problems.append(f"wide tables that scroll without a visible cue: {no_cue[:5]}")
+        cut = [w for w in report["wide"] if not w["scrolls"]]
+        if cut:
+            problems.append(f"cut off with no way to see the rest: {cut[:5]}")
+    return problems
 
 
 def _judge(report: dict) -> list[str]:
@@ -165,7 +229,7 @@ async def _visit(browser, mode: str, page_name: str, url: str) -> list[str]:
 
     problems: list[str] = []
     context = await browser.new_context(
-        color_scheme=MODES[mode], viewport={"width": 1280, "height": 900}, service_workers="block"
+        color_scheme=MODES[mode]["scheme"], viewport=MODES[mode]["viewport"], service_workers="block"
     )
     page = await context.new_page()
 
@@ -182,7 +246,9 @@ async def _visit(browser, mode: str, page_name: str, url: str) -> list[str]:
         await page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
         report = await page.evaluate(INSPECT_JS)
         problems += _judge(report)
-        if mode == "http" and page_name in SOURCE_PAGES:
+        if page_name in SOURCE_PAGES:
+            problems += _judge_layout(report, mode)
+        if MODES[mode]["transport"] == "http" and page_name in SOURCE_PAGES:
             if not report["downloads"]:
                 problems.append("no download links to the page's source")
             for href in report["downloads"]:
@@ -208,7 +274,8 @@ async def _crawl(mode: str, base: str) -> dict[str, list[str]]:
 
         async def one(name: str) -> list[str]:
             async with limit:
-                url = f"{base}/{name}" if mode == "http" else (SITE / name).resolve().as_uri()
+                http = MODES[mode]["transport"] == "http"
+                url = f"{base}/{name}" if http else (SITE / name).resolve().as_uri()
                 return await _visit(browser, mode, name, url)
 
         try:
@@ -287,3 +354,21 @@ def test_search_works_over_http(site, server):
         finally:
             browser.close()
     assert hits >= 1
+
+
+def test_layout_judge_catches_clipping_and_shrinking():
+    fig = {"src": "a/fig.svg", "alt": "A plot.", "scale": 1.0, "natural": 600}
+    table = {"what": "table#t", "width": 900, "column": 752, "scrolls": True, "cue": True}
+    ok = {"wide": [], "figures": [fig], "pageScroll": 0}
+    assert _judge_layout(ok, "desktop") == []
+    assert "wider than the content column" in _judge_layout({**ok, "wide": [table]}, "desktop")[0]
+    shrunk = {**ok, "figures": [{**fig, "scale": 0.5}]}
+    assert "shrunk below" in _judge_layout(shrunk, "desktop")[0]
+    no_alt = {**ok, "figures": [{**fig, "alt": ""}]}
+    assert "without alt text" in _judge_layout(no_alt, "phone")[0]
+    # On a phone a wide table may scroll, with a cue; a page may not scroll sideways.
+    assert _judge_layout({**ok, "wide": [table]}, "phone") == []
+    assert "without a visible cue" in _judge_layout({**ok, "wide": [{**table, "cue": False}]}, "phone")[0]
+    assert "scrolls sideways" in _judge_layout({**ok, "pageScroll": 40}, "phone")[0]
+    cut = {"what": "img#f", "width": 500, "column": 350, "scrolls": False, "cue": False}
+    assert "cut off" in _judge_layout({**ok, "wide": [cut]}, "phone")[0]
