@@ -83,7 +83,7 @@ html_title = BOOK_TITLE  # the sidebar and the browser tab show the book's own t
 html_favicon = "book/_static/favicon.svg"  # also spares the browser a request for /favicon.ico
 html_static_path = ["book/_static"]
 html_css_files = ["sdpa.css"]
-html_js_files = [("mathjax-config.js", {"priority": 510})]
+html_js_files = [("mathjax-config.js", {"priority": 510}), "search-snippets.js"]
 # The pydata/book themes log a console error on a first visit without a stored mode.
 html_context = {"default_mode": "auto"}
 html_theme_options = {

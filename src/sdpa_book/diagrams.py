@@ -32,13 +32,21 @@ Drawing helpers
 The diagrams are built from a few helpers, usable on their own: :func:`new_canvas` (a figure
 whose data coordinates are inches), :func:`draw_box`, :func:`draw_arrow`, :func:`draw_matrix`
 (a grid whose proportions follow its shape, labelled with the shape), :func:`draw_bracket`,
-:func:`role_legend`, and :func:`figure_texts` (the text a figure shows, for tests and examples).
+:func:`role_legend` and :func:`text_size`. Two readers serve tests and examples:
+:func:`figure_texts` (the texts a figure shows) and :func:`tagged_rects` (where its grids and
+boxes are, by name).
+
+Every size is validated up front (a positive integer, shapes that agree, few enough cells to
+draw legibly), with an error that names the argument.
 
 Colours have one role each, the same on every diagram and plot of the book: queries
 :data:`~sdpa_book.figures.QUERY`, keys :data:`~sdpa_book.figures.KEY`, values
 :data:`~sdpa_book.figures.VALUE`, outputs :data:`~sdpa_book.figures.OUTPUT`, scores and weights
 :data:`SCORES`, gradients :data:`GRADIENT`, masks :data:`~sdpa_book.figures.ALLOWED_COLOR` and
-:data:`~sdpa_book.figures.MASKED_COLOR`; all from the colour-blind-safe Okabe-Ito palette.
+:data:`~sdpa_book.figures.MASKED_COLOR`; memories :data:`SLOW_MEMORY` and :data:`FAST_MEMORY`.
+They are colours of the colour-blind-safe Okabe-Ito palette, or greys; the text is always dark
+on a light tint, so the diagrams read the same on the book's light and dark pages (their
+background is white).
 """
 
 from __future__ import annotations
@@ -409,7 +417,7 @@ def draw_box(
         raise ValueError(f"fill must lie in [0, 1]; got {fill!r}")
     pad = min(0.04, width / 4, height / 4) if rounded else 0.0
     style = f"round,pad=0,rounding_size={pad}" if rounded else "square,pad=0"
-    ax.add_patch(
+    _add(ax,
         FancyBboxPatch(
             (x, y), width, height, boxstyle=style, facecolor=_mix(color, fill),
             edgecolor=_shade(color), linewidth=1.1, linestyle=linestyle,
@@ -482,7 +490,7 @@ def draw_arrow(
         connectionstyle=f"arc3,rad={curve}", color=color, linewidth=linewidth,
         linestyle=linestyle, shrinkA=0, shrinkB=0,
     )
-    ax.add_patch(arrow)
+    _add(ax, arrow)
     if label:
         dx, dy, ha, va = offsets[label_side]
         mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
@@ -561,13 +569,6 @@ def _matrix_size(shape, unit: float, min_size: float = 0.1, column: bool = False
     return _extent(cols, unit, min_size), _extent(rows, unit, min_size)
 
 
-def _label_size(name, dims, shape, side_lines: str = "all") -> tuple[float, float]:
-    """Width and height of the label stack of a matrix (name, symbolic shape, numeric shape)."""
-    lines = _label_lines(name, dims, shape, "s" if side_lines in ("all", "name") else None,
-                         "s" if side_lines in ("all", "shape") else None)
-    return _stack_size(lines.get("s", []))
-
-
 def draw_matrix(
     ax,
     x: float,
@@ -617,7 +618,7 @@ def draw_matrix(
         Where the name and the shape labels go (None: not drawn). On the same side, the name
         comes first.
     values : array_like of shape ``shape``, optional
-        Numbers written in the cells when the cells are large enough (0.36 in wide).
+        Numbers written in the cells (two decimals) when every one of them fits its cell.
     masked : array_like of bool of shape ``shape``, optional
         Cells drawn in :data:`~sdpa_book.figures.MASKED_COLOR` (``True`` = masked).
     row_blocks, col_blocks : int, optional
@@ -639,7 +640,8 @@ def draw_matrix(
         ``lse``) rather than as a row.
     tag : str, optional
         Stored as the label ``"_tag <tag>"`` of the grid's outline (a patch), so that tests
-        can find the grid (:func:`tagged_rects`); not shown.
+        can find the grid (:func:`tagged_rects`), and ``"_masked <tag>"`` of the path of its
+        masked cells; not shown.
 
     Returns
     -------
@@ -664,7 +666,7 @@ def draw_matrix(
     >>> figure_texts(fig)
     ['$Q$', '$(T, D_k)$', '(4, 3)']
     """
-    from matplotlib.collections import LineCollection, PatchCollection
+    from matplotlib.collections import LineCollection
     from matplotlib.patches import Rectangle
 
     if not isinstance(shape, (tuple, list)) or len(shape) not in (1, 2):
@@ -679,17 +681,26 @@ def draw_matrix(
 
     face = _mix(color, fill)
     edge = _shade(color)
-    ax.add_patch(Rectangle((x, y), width, height, facecolor=face, edgecolor="none"))
+    _add(ax, Rectangle((x, y), width, height, facecolor=face, edgecolor="none"))
     if masked is not None:
         hidden = np.asarray(masked, dtype=bool)
         if hidden.shape != shape:
             raise ValueError(f"masked must have the matrix's shape {shape}; got {np.shape(masked)}")
         hidden = hidden.reshape(rows, cols)
-        if hidden.size <= 64 * 64:
-            cells = [Rectangle((x + j * cell_w, y + height - (i + 1) * cell_h), cell_w, cell_h)
-                     for i, j in zip(*np.nonzero(hidden))]
-            ax.add_collection(PatchCollection(cells, facecolor=MASKED_COLOR, edgecolor="none"))
-        else:  # too many cells for one patch each: an image of the mask
+        if hidden.size <= 64 * 64:  # one path of squares: a single artist however many cells
+            from matplotlib.patches import PathPatch
+            from matplotlib.path import Path
+
+            squares = [((x + j * cell_w, y + height - (i + 1) * cell_h),
+                        (x + (j + 1) * cell_w, y + height - (i + 1) * cell_h),
+                        (x + (j + 1) * cell_w, y + height - i * cell_h),
+                        (x + j * cell_w, y + height - i * cell_h))
+                       for i, j in zip(*np.nonzero(hidden))]
+            if squares:
+                path = Path.make_compound_path(*(Path(sq + (sq[0],), closed=True) for sq in squares))
+                _add(ax, PathPatch(path, facecolor=MASKED_COLOR, edgecolor="none",
+                                       label=f"_masked {tag}" if tag else None))
+        else:  # too many cells for one square each: an image of the mask
             from matplotlib.colors import to_rgba
 
             image = np.zeros((rows, cols, 4))
@@ -705,7 +716,7 @@ def draw_matrix(
         segments += [((x + j * cell_w, y), (x + j * cell_w, y + height)) for j in range(1, cols)]
     grid_color = "white" if fill >= 0.8 else _mix(edge, 0.45)
     if segments:
-        ax.add_collection(LineCollection(segments, colors=[grid_color], linewidths=0.6))
+        _add(ax, LineCollection(segments, colors=[grid_color], linewidths=0.6))
     blocks = []
     if row_blocks:
         blocks += [((x, y + height - i * cell_h), (x + width, y + height - i * cell_h))
@@ -714,21 +725,21 @@ def draw_matrix(
         blocks += [((x + j * cell_w, y), (x + j * cell_w, y + height))
                    for j in range(col_blocks, cols, col_blocks)]
     if blocks:
-        ax.add_collection(LineCollection(blocks, colors=[edge], linewidths=1.6))
-    ax.add_patch(Rectangle((x, y), width, height, facecolor="none", edgecolor=edge,
+        _add(ax, LineCollection(blocks, colors=[edge], linewidths=1.6))
+    _add(ax, Rectangle((x, y), width, height, facecolor="none", edgecolor=edge,
                            linewidth=1.1, linestyle=linestyle,
                            label=f"_tag {tag}" if tag else None))
 
     if values is not None:
         if np.shape(values) != shape:
             raise ValueError(f"values must have the matrix's shape {shape}; got {np.shape(values)}")
-        vals = np.asarray(values, dtype=float).reshape(rows, cols)
-        if cell_w >= 0.36 and cell_h >= 0.17:
-            for i in range(rows):
-                for j in range(cols):
-                    ax.text(x + (j + 0.5) * cell_w, y + height - (i + 0.5) * cell_h,
-                            _fmt_value(vals[i, j]), ha="center", va="center",
-                            fontsize=LABEL_PT, color=INK)
+        labels = [[_fmt_value(v) for v in row] for row in np.asarray(values, dtype=float).reshape(rows, cols)]
+        widest = max(text_size(t)[0] for row in labels for t in row)
+        if cell_w >= widest + 0.06 and cell_h >= 0.17:  # only where every number fits its cell
+            for i, row in enumerate(labels):
+                for j, text in enumerate(row):
+                    ax.text(x + (j + 0.5) * cell_w, y + height - (i + 0.5) * cell_h, text,
+                            ha="center", va="center", fontsize=LABEL_PT, color=INK)
 
     for side, lines in _label_lines(name, dims, shape, name_at, shape_at).items():
         _label_stack(ax, rect, side, lines, floor=label_floor, align=label_align)
@@ -749,6 +760,14 @@ def tagged_rects(fig) -> dict[str, Rect]:
     Diagrams tag what they draw (``"Q"``, ``"scores"``, ``"head 1"``, ...), so that tests can
     check proportions and positions without knowing the layout.
 
+    Parameters
+    ----------
+    fig : matplotlib.figure.Figure
+
+    Returns
+    -------
+    dict of str to Rect
+
     Examples
     --------
     >>> from sdpa_book.diagrams import attention_pipeline_diagram, tagged_rects
@@ -767,10 +786,24 @@ def tagged_rects(fig) -> dict[str, Rect]:
     return rects
 
 
+def _add(ax, artist):
+    """Add a patch, line or collection to ``ax`` without updating its data limits (fixed: the
+    canvas is in inches), which would cost more than drawing it."""
+    ax.add_artist(artist)
+    return artist
+
+
+def _segment(ax, xs, ys, **kwargs):
+    """A polyline through ``xs``, ``ys`` (``ax.plot`` without the data-limit bookkeeping)."""
+    from matplotlib.lines import Line2D
+
+    return _add(ax, Line2D(xs, ys, **kwargs))
+
+
 def _outline(ax, rect: Rect, color, *, linewidth: float = 2.2, linestyle: str = "-", fill=None):
     from matplotlib.patches import Rectangle
 
-    ax.add_patch(Rectangle((rect.x0, rect.y0), rect.width, rect.height,
+    _add(ax, Rectangle((rect.x0, rect.y0), rect.width, rect.height,
                            facecolor=fill if fill is not None else "none", edgecolor=color,
                            linewidth=linewidth, linestyle=linestyle))
 
@@ -838,8 +871,8 @@ def draw_bracket(
     if side in ("left", "right"):
         path = [(v, u) for u, v in path]
         tick = [(v, u) for u, v in tick]
-    ax.plot(*zip(*path), color=color, linewidth=1.0, solid_capstyle="butt")
-    ax.plot(*zip(*tick), color=color, linewidth=1.0)
+    _segment(ax, *zip(*path), color=color, linewidth=1.0, solid_capstyle="butt")
+    _segment(ax, *zip(*tick), color=color, linewidth=1.0)
     if not text:
         return None
     far = b + sign * (depth * 0.6 + 0.04)
@@ -912,6 +945,14 @@ def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), nc
 def figure_texts(fig) -> list[str]:
     """The non-empty texts a figure shows, in drawing order: labels, then legends and titles.
 
+    Parameters
+    ----------
+    fig : matplotlib.figure.Figure
+
+    Returns
+    -------
+    list of str
+
     Examples
     --------
     >>> from sdpa_book.diagrams import attention_pipeline_diagram, figure_texts
@@ -983,9 +1024,11 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     E = x.shape[0]
     for W, n in ((W_q, "W_q"), (W_k, "W_k"), (W_v, "W_v")):
         if W.shape[0] != E:
-            raise ValueError(f"{n} must have E = {E} rows, one per entry of x; got x.shape={x.shape}, {n}.shape={W.shape}")
+            raise ValueError(f"{n} must have E = {E} rows, one per entry of x; "
+                             f"got x.shape={x.shape}, {n}.shape={W.shape}")
     if W_q.shape[1] != W_k.shape[1]:
-        raise ValueError(f"W_q and W_k must share the width Dk; got W_q.shape={W_q.shape}, W_k.shape={W_k.shape}")
+        raise ValueError("W_q and W_k must share the width Dk; "
+                         f"got W_q.shape={W_q.shape}, W_k.shape={W_k.shape}")
     Dk, Dv = W_q.shape[1], W_v.shape[1]
     for n, v in (("E", E), ("Dk", Dk), ("Dv", Dv)):
         _at_most(v, MAX_CELLS, n)
@@ -1002,7 +1045,7 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     fixed = 2 * MARGIN + token_w + 0.3 + 0.45 + 0.45 + 0.1
     unit_w = min(0.17, 1.2 / widest, 0.85 / E)  # projection grids: at most 0.85 in high
     room = FULL_WIDTH - fixed - widest * unit_w
-    cell = min(0.44, room / (E + widest))
+    cell = min(0.5, room / (E + widest))
     cell = max(cell, 0.05)
     vec_h = max(min(cell, 0.24), 0.12)
 
@@ -1031,7 +1074,6 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     x_rect = draw_matrix(ax, x_vec0, y_mid - vec_h / 2, (E,), unit=cell, min_size=vec_h,
                          color=NEUTRAL, fill=0.12, name="embedding $x$", dims=("E",), values=x,
                          tag="x")
-    # draw_matrix sizes a 1-D row by `unit`; force the row height to vec_h via min_size.
     draw_arrow(ax, tok.right, x_rect.left)
     for (o, b, W, dims, color, out_dims), yc, h in zip(branches, centres, rows_h):
         w_rect = draw_matrix(ax, x_w0, yc - h / 2, W.shape, unit=unit_w, color=color, fill=0.3,
@@ -1220,7 +1262,7 @@ def _drawn_heads(H: int, limit: int = 4) -> list[int | None]:
 
 
 def _line(ax, start, end, color, *, linewidth: float = 0.9, linestyle: str = "-"):
-    ax.plot([start[0], end[0]], [start[1], end[1]], color=color, linewidth=linewidth,
+    _segment(ax, [start[0], end[0]], [start[1], end[1]], color=color, linewidth=linewidth,
             linestyle=linestyle, solid_capstyle="round")
 
 
@@ -1256,7 +1298,8 @@ def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
     >>> [t for t in texts if t.startswith("(")]  # X; Q, K, V; one head's out; concat; out
     ['(5, 12)', '(5, 12)', '(5, 12)', '(5, 6)', '(5, 2)', '(5, 6)', '(5, 12)']
     >>> [t for t in texts if t.startswith("$W")]  # the projections and their shapes
-    ['$W_Q$\n$(E, HD_k)$\n(12, 12)', '$W_K$\n$(E, HD_k)$\n(12, 12)', '$W_V$\n$(E, HD_v)$\n(12, 6)', '$W_O$\n$(HD_v, E)$\n(6, 12)']
+    ['$W_Q$\n$(E, HD_k)$\n(12, 12)', '$W_K$\n$(E, HD_k)$\n(12, 12)',
+     '$W_V$\n$(E, HD_v)$\n(12, 6)', '$W_O$\n$(HD_v, E)$\n(6, 12)']
     """
     T, E, H, Dk, Dv = (_positive_int(v, n) for v, n in
                        ((T, "T"), (E, "E"), (H, "H"), (Dk, "Dk"), (Dv, "Dv")))
@@ -1395,7 +1438,8 @@ def grouped_heads_diagram(Hq: int, Hkv):
     >>> from sdpa_book.diagrams import grouped_heads_diagram, figure_texts
     >>> texts = figure_texts(grouped_heads_diagram(8, [8, 2, 1]))
     >>> [t for t in texts if "$H_q" in t]
-    ['$H_q = 8$, $H_{kv} = 8$, $G = 1$', '$H_q = 8$, $H_{kv} = 2$, $G = 4$', '$H_q = 8$, $H_{kv} = 1$, $G = 8$']
+    ['$H_q = 8$, $H_{kv} = 8$, $G = 1$', '$H_q = 8$, $H_{kv} = 2$, $G = 4$',
+     '$H_q = 8$, $H_{kv} = 1$, $G = 8$']
     """
     Hq = _at_most(_positive_int(Hq, "Hq"), 64, "Hq")
     many = isinstance(Hkv, (list, tuple, np.ndarray))
@@ -1404,7 +1448,8 @@ def grouped_heads_diagram(Hq: int, Hkv):
         raise ValueError(f"Hkv must hold one to four head counts (one panel each); got {len(kv_list)}")
     for h in kv_list:
         if Hq % h:
-            raise ValueError(f"Hkv must divide Hq, so that query heads form equal groups; got Hq={Hq}, Hkv={h}")
+            raise ValueError("Hkv must divide Hq, so that query heads form equal groups; "
+                             f"got Hq={Hq}, Hkv={h}")
 
     n = len(kv_list)
     panel_w = FULL_WIDTH / n if n > 1 else min(FULL_WIDTH, max(3.6, 0.3 * Hq + 0.6))
@@ -1454,8 +1499,8 @@ def grouped_heads_diagram(Hq: int, Hkv):
             draw_box(ax, kx, y_kv, kvw, kv_h, None, color=VALUE, fill=0.45, rounded=False,
                      tag=f"{p}: value {g}")
             for h in range(g * G, (g + 1) * G):
-                _line(ax, queries[h].bottom, (key.cx + (h - g * G - (G - 1) / 2) * min(0.02, kvw / (2 * G)), key.y1),
-                      _shade(QUERY), linewidth=0.9)
+                spread = (h - g * G - (G - 1) / 2) * min(0.02, kvw / (2 * G))  # fan in, not one point
+                _line(ax, queries[h].bottom, (key.cx + spread, key.y1), _shade(QUERY), linewidth=0.9)
         ax.text(x0 + span / 2, y_kv - 0.05, notes[p], ha="center", va="top", fontsize=LABEL_PT,
                 color=INK, linespacing=1.3)
         if p:  # panels apart
@@ -1524,7 +1569,8 @@ def mask_geometry_diagram(T: int, S: int, *, window: int = 3, lengths=None):
         raise TypeError(f"lengths must be a sequence of integers; got {lengths!r}")
     lengths = [int(_nonneg_length(n, S)) for n in lengths]
     if not 1 <= len(lengths) <= 3:
-        raise ValueError(f"lengths must hold one to three sequence lengths (one panel each); got {len(lengths)}")
+        raise ValueError("lengths must hold one to three sequence lengths (one panel each); "
+                         f"got {len(lengths)}")
 
     aligned = T != S
     panels = []  # (title, subtitle, allowed (T, S), offset to label or None)
@@ -1740,7 +1786,8 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
     >>> from sdpa_book.diagrams import flash_loop_diagram, figure_texts
     >>> texts = figure_texts(flash_loop_diagram(T=6, S=8, Bq=2, Bk=4, Dk=3, Dv=2))
     >>> [t for t in texts if t.startswith("(")]  # slow: Q, tiles, O, lse, K^T, V; fast: Q_i, ...
-    ['(6, 3)', '(6, 8)', '(6, 2)', '(6,)', '(3, 8)', '(8, 2)', '(2, 3)', '(2, 4)', '(2, 2)', '(2,)', '(2,)', '(3, 4)', '(4, 2)']
+    ['(6, 3)', '(6, 8)', '(6, 2)', '(6,)', '(3, 8)', '(8, 2)',
+     '(2, 3)', '(2, 4)', '(2, 2)', '(2,)', '(2,)', '(3, 4)', '(4, 2)']
     >>> [t for t in texts if t.isdigit()]  # the tiles' order: 3 query blocks x 2 key blocks
     ['1', '2', '3', '4', '5', '6']
     """
@@ -1807,7 +1854,10 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
             x[b] = x[a] + w[a] + gap
         return w, x
 
+    arrow_labels = ["load $Q_i$", "load $K_j$, $V_j$", "write $O_i$, lse$_i$"]
+
     def layout(unit):
+        """Sizes and places for one unit: slow memory on top, fast memory and the loop below."""
         h = {k: _matrix_size(v[0], unit, column=k in upright)[1]
              for k, v in {**slow, **fast}.items()}
         ws, xs = columns(unit, slow, ["Q", "tiles", "O", "lse"], MARGIN + pad, ("K^T", "Q"))
@@ -1817,27 +1867,27 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
                          ("K_j^T", "Q_i"))
         fast_right = max(xf["l"] + wf["l"] / 2 + lab["l"][0] / 2,
                          xf["acc"] + wf["acc"] + 0.1 + lab["V_j"][0]) + pad
-        width = max(slow_right, fast_right + 0.3 + loop_w) + MARGIN + 0.05
         below = max(lab[k][1] for k in ("Q", "tiles", "O", "lse")) + 0.06
         slow_h = (title_h + max(h["K^T"], h["V"], lab["V"][1], lab["K^T"][1]) + 0.07
                   + h["Q"] + below + pad)
         below_f = max(lab[k][1] for k in ("Q_i", "tile", "acc", "m", "l")) + 0.06
         fast_h = (title_h + max(h["K_j^T"], h["V_j"], lab["V_j"][1], lab["K_j^T"][1]) + 0.07
                   + h["Q_i"] + below_f + pad)
-        fast_h = max(fast_h, loop_h + title_h + pad)
-        arrows_h = 0.55
-        height = MARGIN + slow_h + arrows_h + fast_h + MARGIN
-        return width, height, (ws, xs, slow_right, wf, xf, fast_right, h, slow_h, fast_h,
-                               arrows_h)
+        fast_h = max(fast_h, loop_h + title_h + pad)  # the loop is written beside it
+        width = max(slow_right, fast_right + 0.3 + loop_w) + MARGIN + 0.05
+        height = MARGIN + slow_h + 0.55 + fast_h + MARGIN
+        return width, height, dict(ws=ws, xs=xs, slow_right=slow_right, wf=wf, xf=xf,
+                                   fast_right=fast_right, h=h, slow_h=slow_h, fast_h=fast_h,
+                                   fast_top=MARGIN + fast_h, loop_at=(fast_right + 0.3, MARGIN + fast_h))
 
     unit, width, height, plan = _fit_unit(layout, 0.2, FULL_WIDTH, 5.8)
-    ws, xs, slow_right, wf, xf, fast_right, h, slow_h, fast_h, arrows_h = plan
+    xs, xf, h = plan["xs"], plan["xf"], plan["h"]
     fig, ax = new_canvas(width, height)
 
-    def panel(y_top, panel_h, right, title, color):
-        rect = draw_box(ax, MARGIN, y_top - panel_h, right - MARGIN, panel_h, None, color=color,
+    def panel(x_left, y_top, panel_h, right, title, color):
+        rect = draw_box(ax, x_left, y_top - panel_h, right - x_left, panel_h, None, color=color,
                         fill=0.08, tag=title)
-        ax.text(MARGIN + pad, y_top - 0.05, title, ha="left", va="top", fontsize=NAME_PT,
+        ax.text(x_left + pad, y_top - 0.05, title, ha="left", va="top", fontsize=NAME_PT,
                 color=INK)
         return rect
 
@@ -1856,7 +1906,8 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
         return grids
 
     # Slow memory.
-    slow_box = panel(height - MARGIN, slow_h, slow_right, "slow memory (HBM)", SLOW_MEMORY)
+    slow_box = panel(MARGIN, height - MARGIN, plan["slow_h"], plan["slow_right"],
+                     "slow memory (HBM)", SLOW_MEMORY)
     y_q = slow_box.y0 + pad + max(lab[k][1] for k in ("Q", "tiles", "O", "lse")) + 0.06
     grids = row(slow, xs, y_q, ("K^T", "V"),
                 {"Q": (Bq, None), "tiles": (Bq, Bk), "O": (Bq, None), "lse": (Bq, None)})
@@ -1889,8 +1940,9 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
     _highlight(ax, _block_rect(grids["V"], (S, Dv), cols_j, (0, Dv)), VALUE)
 
     # Fast memory.
-    fast_top = slow_box.y0 - arrows_h
-    fast_box = panel(fast_top, fast_h, fast_right, "fast memory (SRAM)", FAST_MEMORY)
+    fast_h = plan["fast_h"]
+    fast_box = panel(MARGIN, plan["fast_top"], fast_h, plan["fast_right"],
+                     "fast memory (SRAM)", FAST_MEMORY)
     below_f = max(lab[k][1] for k in ("Q_i", "tile", "acc", "m", "l")) + 0.06
     content_h = max(h["K_j^T"], h["V_j"]) + 0.07 + h["Q_i"] + below_f
     y_f = fast_box.y0 + pad + below_f + max(0.0, (fast_h - title_h - pad - content_h) / 2)
@@ -1901,23 +1953,22 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
         fgrids[k] = draw_matrix(ax, xf[over], fgrids[over].y1 + 0.07, shape, unit=unit,
                                 color=color, name=name, dims=dims, name_at=side, shape_at=side,
                                 tag=k, label_floor=floor_f)
-    # The loop, beside fast memory.
-    x_loop = fast_right + 0.3
-    y = fast_top - title_h - 0.1
-    ax.text(x_loop, fast_top - 0.05, "the loop", ha="left", va="top", fontsize=NAME_PT, color=INK)
+
+    # The loop.
+    x_loop, y_loop = plan["loop_at"]
+    ax.text(x_loop, y_loop - 0.05, "the loop", ha="left", va="top", fontsize=NAME_PT, color=INK)
+    y = y_loop - title_h - 0.1
     for depth, text in loop:  # on fixed baselines, whatever the height of the maths
         ax.text(x_loop + depth * indent, y, text, ha="left", va="baseline", fontsize=LABEL_PT,
                 color=INK)
         y -= loop_step
 
-    # Traffic between the two memories.
+    # Traffic between the two memories: loads into fast memory, the results written back.
     y_a, y_b = slow_box.y0 - 0.04, fast_box.y1 + 0.04
-    xs_arrows = [fast_box.x0 + fast_box.width * f for f in (0.2, 0.5, 0.8)]
-    draw_arrow(ax, (xs_arrows[0], y_a), (xs_arrows[0], y_b), label="load $Q_i$", label_side="right")
-    draw_arrow(ax, (xs_arrows[1], y_a), (xs_arrows[1], y_b), label="load $K_j$, $V_j$",
-               label_side="right")
-    draw_arrow(ax, (xs_arrows[2], y_b), (xs_arrows[2], y_a), label="write $O_i$, lse$_i$",
-               label_side="right")
+    for n, text in enumerate(arrow_labels):
+        x_arrow = fast_box.x0 + fast_box.width * (0.2 + 0.3 * n)
+        ends = ((x_arrow, y_b), (x_arrow, y_a)) if n == 2 else ((x_arrow, y_a), (x_arrow, y_b))
+        draw_arrow(ax, *ends, label=text, label_side="right")
     return fig
 
 
@@ -1957,7 +2008,9 @@ def backward_graph_diagram(*, T: int | None = None, S: int | None = None, Dk: in
     >>> from sdpa_book.diagrams import backward_graph_diagram, figure_texts
     >>> texts = figure_texts(backward_graph_diagram(T=3, S=5, Dk=4, Dv=2))
     >>> [t.splitlines()[0] for t in texts if t.startswith("$d")]  # the gradients
-    ['$dO = \\partial\\mathcal{L}/\\partial O$', '$dV = A^\\top dO$', '$dA = dO\\,V^\\top$', '$dZ = A \\odot (dA - \\delta)$', '$dQ = dZ\\,K/\\sqrt{D_k}$', '$dK = dZ^\\top Q/\\sqrt{D_k}$']
+    ['$dO = \\partial\\mathcal{L}/\\partial O$', '$dV = A^\\top dO$', '$dA = dO\\,V^\\top$',
+     '$dZ = A \\odot (dA - \\delta)$', '$dQ = dZ\\,K/\\sqrt{D_k}$',
+     '$dK = dZ^\\top Q/\\sqrt{D_k}$']
     >>> [t for t in texts if t.startswith("$dQ")]
     ['$dQ = dZ\\,K/\\sqrt{D_k}$\n$(T, D_k)$\n(3, 4)']
     """
@@ -2046,10 +2099,10 @@ def _plus(ax, x: float, y: float, r: float = 0.1, tag: str | None = None):
     """The ⊕ where a sublayer's output is added back to the residual stream."""
     from matplotlib.patches import Circle
 
-    ax.add_patch(Circle((x, y), r, facecolor="white", edgecolor=INK, linewidth=1.3, zorder=3,
+    _add(ax, Circle((x, y), r, facecolor="white", edgecolor=INK, linewidth=1.3, zorder=3,
                         label=f"_add {tag}" if tag else None))
-    ax.plot([x - r * 0.6, x + r * 0.6], [y, y], color=INK, linewidth=1.3, zorder=4)
-    ax.plot([x, x], [y - r * 0.6, y + r * 0.6], color=INK, linewidth=1.3, zorder=4)
+    _segment(ax, [x - r * 0.6, x + r * 0.6], [y, y], color=INK, linewidth=1.3, zorder=4)
+    _segment(ax, [x, x], [y - r * 0.6, y + r * 0.6], color=INK, linewidth=1.3, zorder=4)
 
 
 def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False,
@@ -2147,8 +2200,8 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
         x += 0.25 + stretch
         branch = x
         x_box = branch + 0.15
-        ax.plot([branch, branch], [y_s, y_box + box_h / 2], color=INK, linewidth=1.3)
-        ax.plot([branch, x_box], [y_box + box_h / 2] * 2, color=INK, linewidth=1.3)
+        _segment(ax, [branch, branch], [y_s, y_box + box_h / 2], color=INK, linewidth=1.3)
+        _segment(ax, [branch, x_box], [y_box + box_h / 2] * 2, color=INK, linewidth=1.3)
         if norm == "pre":
             ln = draw_box(ax, x_box, y_box, ln_w, box_h, "LayerNorm", color=NEUTRAL, fill=0.1,
                           tag=f"norm {n + 1}")
@@ -2156,7 +2209,7 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
             draw_arrow(ax, ln.right, (x_box, ln.cy))
         box = draw_box(ax, x_box, y_box, sub_w[key], box_h, text, color=color, fill=0.25, tag=key)
         x_add = box.x1 + 0.15 + r
-        ax.plot([box.x1, x_add], [box.cy] * 2, color=INK, linewidth=1.3)
+        _segment(ax, [box.x1, x_add], [box.cy] * 2, color=INK, linewidth=1.3)
         draw_arrow(ax, (x_add, box.cy), (x_add, y_s + r))
         _plus(ax, x_add, y_s, r, tag=key)
         x = x_add + r
@@ -2166,7 +2219,7 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
                      fill=0.1, tag=f"norm {n + 1}")
             x += ln_w
     x_end = x + 0.3 + stretch
-    ax.plot([MARGIN + end_w, x_end], [y_s, y_s], color=_mix(OUTPUT, 0.8, "black"), linewidth=3.0,
+    _segment(ax, [MARGIN + end_w, x_end], [y_s, y_s], color=_mix(OUTPUT, 0.8, "black"), linewidth=3.0,
             zorder=0.5, solid_capstyle="butt")
     draw_arrow(ax, (x_end - 0.2, y_s), (x_end, y_s), color=_mix(OUTPUT, 0.8, "black"),
                linewidth=1.5)
