@@ -19,6 +19,11 @@ NODE_STAMP := node_modules/.package-lock.json
 # One doctree folder for the html and doctest builders; it also holds the execution cache
 # (doctrees/jupyter-cache/<fingerprint of src/sdpa>), so a package change re-executes the book.
 SPHINX := $(VPY) -m sphinx -c . book -d $(BUILDDIR)/doctrees
+# The sdpa wheel and source archive the site offers (book/_ext/sdpa_notebooks.py copies them into
+# _build/html/downloads/ with the notebooks). Rebuilt only when the package's files change.
+DIST       := $(BUILDDIR)/dist
+DIST_STAMP := $(DIST)/.built
+DIST_DEPS  := pyproject.toml README.md LICENSE $(shell find src -name '*.py' -not -path '*/__pycache__/*')
 
 .DEFAULT_GOAL := help
 .PHONY: help venv node_modules test unit doctest html html-force serve bench demo constraints clean
@@ -44,18 +49,23 @@ test: $(STAMP) html-force ## run every test: unit, doctests, README, book build 
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 unit: $(STAMP) ## run the unit tests and doctests only (no book build, no browser)
-	$(VPY) -m pytest -m "not browser" $(PYTEST_ARGS)
+	$(VPY) -m pytest -m "not browser and not site" $(PYTEST_ARGS)
 
 doctest: $(STAMP) ## run the doctests of the package, the README and the book
 	$(VPY) -m pytest src/sdpa README.md $(PYTEST_ARGS)
 	$(SPHINX) -b doctest $(BUILDDIR)/doctest $(SPHINXOPTS) -q
 
-html: $(STAMP) $(NODE_STAMP) ## build the book into _build/html (re-runs pages whose code or src/sdpa changed)
+$(DIST_STAMP): $(STAMP) $(DIST_DEPS)
+	rm -rf $(DIST)
+	$(VPY) -m build --quiet --outdir $(DIST) .
+	touch $@
+
+html: $(STAMP) $(NODE_STAMP) $(DIST_STAMP) ## build the book into _build/html, with its notebooks and the sdpa wheel (re-runs pages whose code or src/ changed)
 	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS)
 
 # Forced execution: the execution cache is emptied and every page re-read, so every page runs
 # afresh; the fresh outputs refill the cache, so a following `make html` has nothing to redo.
-html-force: $(STAMP) $(NODE_STAMP) ## build the book, executing every page afresh
+html-force: $(STAMP) $(NODE_STAMP) $(DIST_STAMP) ## build the book, executing every page afresh
 	rm -rf $(BUILDDIR)/doctrees/jupyter-cache
 	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS) -E
 

@@ -11,8 +11,12 @@ Three things here go beyond a stock configuration:
   Python, NumPy and Matplotlib versions): when the package changes, Sphinx sees a changed
   configuration, re-reads every page, and myst-nb finds an empty cache, so every page executes
   against the new code. Reverting the package finds the older cache again.
-* **Notebook downloads.** myst-nb writes each executed page as a notebook; :func:`copy_notebooks`
-  puts it beside the MyST source in ``_sources/`` and the theme's download menu offers both.
+* **Notebooks a reader can run, and the package.** ``book/_ext/sdpa_notebooks.py`` writes each
+  executed page as a notebook for a plain Jupyter (glued values and figures in place, MyST
+  turned into Markdown, hidden cells kept and marked) beside its MyST source in ``_sources/``,
+  where the theme's download menu offers both; it copies the ``sdpa`` wheel and source archive
+  that ``make html`` builds into ``downloads/``, with a pinned ``requirements.txt`` and one
+  archive of every notebook.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "book" / "_ext"))  # the book's own extension: sdpa_notebooks
 
 BOOK_TITLE = "Scaled Dot-Product Attention, from Intuition to Kernels"
 project = BOOK_TITLE
@@ -45,6 +50,7 @@ extensions = [
     "sphinx_design",
     "sphinx_togglebutton",
     "sphinxcontrib.bibtex",
+    "sdpa_notebooks",  # book/_ext: the reader's notebooks and the package in the site
 ]
 
 # One .bib file per topic so that chapters can add references independently.
@@ -54,7 +60,10 @@ bibtex_bibfiles = sorted(
 bibtex_default_style = "plain"
 bibtex_reference_style = "author_year"
 
-exclude_patterns = ["_build", "_static", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_static", "_ext", "**/.ipynb_checkpoints"]
+
+# Figures and tables are numbered, so {numref} can say "Figure 3".
+numfig = True
 
 # MyST and MyST-NB
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "substitution"]
@@ -204,38 +213,6 @@ def copy_mathjax(app, exception) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Each executed page offered as a notebook.
-
-
-def _notebook_path(app, docname: str) -> Path:
-    # myst-nb writes executed notebooks to <outdir>/../jupyter_execute/<docname>.ipynb.
-    return Path(app.outdir).parent / "jupyter_execute" / f"{docname}.ipynb"
-
-
-def _is_notebook(app, docname: str) -> bool:
-    """True when myst-nb wrote this page as a notebook since its source last changed."""
-    notebook = _notebook_path(app, docname)
-    source = Path(app.env.doc2path(docname))
-    return notebook.exists() and notebook.stat().st_mtime >= source.stat().st_mtime
-
-
-def offer_notebook(app, pagename, templatename, context, doctree) -> None:
-    """Let the theme's download menu list the page's .ipynb (runs before the theme's hook)."""
-    if doctree is not None and _is_notebook(app, pagename):
-        context["ipynb_source"] = f"{pagename}.ipynb"
-
-
-def copy_notebooks(app, exception) -> None:
-    if exception or app.builder.format != "html":
-        return
-    sources = Path(app.outdir) / "_sources"
-    for docname in sorted(app.env.found_docs):
-        if _is_notebook(app, docname):
-            target = sources / f"{docname}.ipynb"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(_notebook_path(app, docname), target)
-
-
 # --------------------------------------------------------------------------------------------
 # Reading times on the landing page, computed from the pages themselves.
 
@@ -319,8 +296,6 @@ def setup(app):
     app.connect("config-inited", key_execution_cache)
     app.connect("builder-inited", check_mathjax)
     app.connect("build-finished", copy_mathjax)
-    app.connect("build-finished", copy_notebooks)
-    app.connect("html-page-context", offer_notebook, priority=400)
     # Formulas in headings appear in the navigation of every page, so load MathJax everywhere.
     app.set_html_assets_policy("always")
     return {"parallel_read_safe": True, "parallel_write_safe": True}

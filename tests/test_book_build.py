@@ -88,6 +88,7 @@ def make_project(tmp_path: Path) -> Path:
     book = tmp_path / "book"
     shutil.copytree(ROOT / "book" / "_static", book / "_static")
     shutil.copytree(ROOT / "book" / "references", book / "references")
+    shutil.copytree(ROOT / "book" / "_ext", book / "_ext", ignore=shutil.ignore_patterns("__pycache__"))
     (book / "index.md").write_text(INDEX)
     package = tmp_path / "src" / "sdpa"
     package.mkdir(parents=True)

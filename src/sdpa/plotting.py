@@ -269,7 +269,7 @@ def mask_plot(
     labels : (str, str)
         Legend entries for ``True`` and ``False``.
     legend : bool, default True
-        Draw the legend (below the axes).
+        Draw the legend (beside the axes, on the right).
 
     Returns
     -------
@@ -315,6 +315,8 @@ def mask_plot(
     ax.set_ylabel(ylabel)
     if legend:
         handles = [Patch(facecolor=colors[1], label=labels[0]), Patch(facecolor=colors[0], label=labels[1])]
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if cols else -0.12),
-                  ncols=2, frameon=False)
+        # Beside the axes, where it never meets the tick or axis labels (constrained layout
+        # makes room for it).
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False,
+                  borderaxespad=0.0, handlelength=1.2)
     return im

@@ -1,17 +1,19 @@
 """Helpers of the sdpa book: what its pages need besides the attention package itself.
 
-The book's pages import :mod:`sdpa` for everything they teach, and this package for the
-plumbing a reader should not have to read: passing computed values into the prose (:func:`glue`),
+The book's pages import ``sdpa`` for everything they teach, and this package for the
+plumbing a reader should not have to read: passing computed values into the prose
+(:func:`~sdpa_book.display.glue`),
 writing tables, timing, the figure style and the diagrams drawn from a page's own arrays. It ships
-in the same wheel as :mod:`sdpa` so that a page downloaded as a notebook runs with nothing else
+in the same wheel as ``sdpa`` so that a page downloaded as a notebook runs with nothing else
 installed, but it is the book's module: its functions may change with the book.
 
 Modules
 -------
 display
-    :func:`glue`, :class:`Plain`, :func:`vec`, :func:`markdown_table`.
+    :func:`~sdpa_book.display.glue`, :class:`~sdpa_book.display.Plain`,
+    :func:`~sdpa_book.display.vec`, :func:`~sdpa_book.display.markdown_table`.
 timing
-    :func:`best_time`, :func:`loglog_slope`.
+    :func:`~sdpa_book.timing.best_time`, :func:`~sdpa_book.timing.loglog_slope`.
 figures
     The figure style (applied on import: fonts, colours, SVG in notebooks) and colour roles.
 diagrams

@@ -3,9 +3,9 @@ r"""Diagrams of how data flows through attention, drawn from a page's own sizes 
 Every diagram here is a function of the sizes (or arrays) a page computes, so its shape labels
 are the page's shapes and cannot drift from the text: change ``T`` on the page and the grids,
 their proportions and their labels change with it. Each function returns a Matplotlib
-:class:`~matplotlib.figure.Figure` with a white background, at most
-:data:`~sdpa_book.figures.FULL_WIDTH` inches wide, with no text under
-:data:`~sdpa_book.figures.MIN_FONT_PT` points. The figures are not registered with pyplot (no
+``matplotlib.figure.Figure`` with a white background, at most
+``sdpa_book.figures.FULL_WIDTH`` inches wide, with no text under
+``sdpa_book.figures.MIN_FONT_PT`` points. The figures are not registered with pyplot (no
 window, nothing to close); a page glues them like any other figure.
 
 Diagrams
@@ -40,10 +40,10 @@ Every size is validated up front (a positive integer, shapes that agree, few eno
 draw legibly), with an error that names the argument.
 
 Colours have one role each, the same on every diagram and plot of the book: queries
-:data:`~sdpa_book.figures.QUERY`, keys :data:`~sdpa_book.figures.KEY`, values
-:data:`~sdpa_book.figures.VALUE`, outputs :data:`~sdpa_book.figures.OUTPUT`, scores and weights
-:data:`SCORES`, gradients :data:`GRADIENT`, masks :data:`~sdpa_book.figures.ALLOWED_COLOR` and
-:data:`~sdpa_book.figures.MASKED_COLOR`; memories :data:`SLOW_MEMORY` and :data:`FAST_MEMORY`.
+``sdpa_book.figures.QUERY``, keys ``sdpa_book.figures.KEY``, values
+``sdpa_book.figures.VALUE``, outputs ``sdpa_book.figures.OUTPUT``, scores and weights
+``SCORES``, gradients ``GRADIENT``, masks ``sdpa_book.figures.ALLOWED_COLOR`` and
+``sdpa_book.figures.MASKED_COLOR``; memories ``SLOW_MEMORY`` and ``FAST_MEMORY``.
 They are colours of the colour-blind-safe Okabe-Ito palette, or greys; the text is always dark
 on a light tint, so the diagrams read the same on the book's light and dark pages (their
 background is white).
@@ -315,7 +315,7 @@ def new_canvas(width: float, height: float):
     Parameters
     ----------
     width, height : float
-        Size in inches; ``width`` at most :data:`~sdpa_book.figures.FULL_WIDTH`.
+        Size in inches; ``width`` at most ``sdpa_book.figures.FULL_WIDTH``.
 
     Returns
     -------
@@ -386,7 +386,7 @@ def draw_box(
     fill : float, default 0.15
         How much of ``color`` the face holds (0: white, 1: ``color``).
     fontsize : float, default 10
-        At least :data:`~sdpa_book.figures.MIN_FONT_PT`.
+        At least ``sdpa_book.figures.MIN_FONT_PT``.
     linestyle : str, default "-"
     rounded : bool, default True
     tag : str, optional
@@ -609,7 +609,7 @@ def draw_matrix(
     unit : float
         Side of one cell, in inches.
     color : colour
-        The role colour (:data:`~sdpa_book.figures.QUERY`, ...): a tint fills the cells.
+        The role colour (``sdpa_book.figures.QUERY``, ...): a tint fills the cells.
     name : str, optional
         Name label, e.g. ``"$Q$"``.
     dims : sequence of str, optional
@@ -620,7 +620,7 @@ def draw_matrix(
     values : array_like of shape ``shape``, optional
         Numbers written in the cells (two decimals) when every one of them fits its cell.
     masked : array_like of bool of shape ``shape``, optional
-        Cells drawn in :data:`~sdpa_book.figures.MASKED_COLOR` (``True`` = masked).
+        Cells drawn in ``sdpa_book.figures.MASKED_COLOR`` (``True`` = masked).
     row_blocks, col_blocks : int, optional
         Draw a heavier line every ``row_blocks`` rows / ``col_blocks`` columns (tiles, heads).
     fill : float, default 0.35
@@ -1519,8 +1519,8 @@ def mask_geometry_diagram(T: int, S: int, *, window: int = 3, lengths=None):
     masked cells, and, when ``T != S``, the causal mask aligned top-left against bottom-right.
 
     Row ``i`` is query ``i``, column ``j`` key ``j``; a cell is blue where the query may attend
-    the key and grey where it is masked (:data:`~sdpa_book.figures.ALLOWED_COLOR`,
-    :data:`~sdpa_book.figures.MASKED_COLOR`). The masks are the package's own
+    the key and grey where it is masked (``sdpa_book.figures.ALLOWED_COLOR``,
+    ``sdpa_book.figures.MASKED_COLOR``). The masks are the package's own
     (:func:`sdpa.causal_mask`, :func:`sdpa.padding_mask`, :func:`sdpa.sliding_window_mask`).
     When ``T != S`` the bottom-right panel labels the diagonal's offset ``S - T``: query ``i``
     sits at key position ``i + S - T``, as when ``T`` new queries follow ``S - T`` cached keys;

@@ -1,6 +1,6 @@
-"""Values for the prose: :func:`glue` and the small formatters the pages glue.
+"""Values for the prose: :func:`~sdpa_book.display.glue` and the small formatters the pages glue.
 
-In the book's build (where ``conf.py`` sets ``SDPA_BOOK_BUILD=1`` for the kernels) :func:`glue`
+In the book's build (where ``conf.py`` sets ``SDPA_BOOK_BUILD=1`` for the kernels) :func:`~sdpa_book.display.glue`
 is MyST-NB's: the value is stored in the notebook's outputs and pasted where a ``{glue}`` role
 names it. Anywhere else (a downloaded notebook in plain Jupyter, a script) MyST-NB is neither
 needed nor imported: a figure or table is displayed where the page would show it, and a plain
@@ -40,7 +40,7 @@ def glue(name: str, value, display: bool = False):
     name : str
         The key the page's text uses, for example ``{glue:text}`name:.3f```.
     value : object
-        A number, a :class:`Plain` text, a table or a Matplotlib figure.
+        A number, a :class:`~sdpa_book.display.Plain` text, a table or a Matplotlib figure.
     display : bool, default False
         Also show the value where the cell runs (MyST-NB's meaning).
 

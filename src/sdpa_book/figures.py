@@ -1,10 +1,10 @@
 """The book's figure style: colours with fixed roles, font sizes, SVG output.
 
-Importing :mod:`sdpa_book` applies :func:`apply_style`: Matplotlib's defaults become the book's
+Importing ``sdpa_book`` applies :func:`apply_style`: Matplotlib's defaults become the book's
 (fonts of at least 9 pt, the colour-blind-safe Okabe-Ito cycle, white backgrounds) and, inside a
 Jupyter kernel, figures are emitted as SVG, crisp on any screen. Figures themselves are drawn with
-:mod:`sdpa.plotting` (``new_figure``, ``heatmap``, ``mask_plot``) and the diagrams of
-:mod:`sdpa_book.diagrams`.
+``sdpa.plotting`` (``new_figure``, ``heatmap``, ``mask_plot``) and the diagrams of
+``sdpa_book.diagrams``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Timing for the pages that measure: processor time, best of a few runs, and growth rates.
 
-The book is built on shared machines, so the pages time with :func:`time.process_time` (the
+The book is built on shared machines, so the pages time with ``time.process_time`` (the
 processor time of this process, which does not count the moments other programs hold the core)
 and state ratios and growth rates, never absolute speeds.
 """
