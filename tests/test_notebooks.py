@@ -62,9 +62,7 @@ DOWNLOAD_LINK = re.compile(r"href=\"([^\"]*downloads/[^\"]+)\"")
 
 # Pages whose notebook cannot run off the site yet, and why. Strict: once one runs, its xfail
 # fails, and the entry must go.
-KNOWN_FAILURES = {
-    "appendix/running.html": "its first hidden cell looks for the repository's Makefile",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _book_pages() -> list[str]:

@@ -9,9 +9,12 @@ from sdpa_book import Plain, best_time, glue, loglog_slope, markdown_table, vec
 from sdpa_book.display import BUILD_ENV
 
 
-def test_glue_outside_the_build_returns_numbers_without_showing(monkeypatch, capsys):
+def test_glue_outside_the_build_shows_no_numbers(monkeypatch, capsys):
+    shown = []
     monkeypatch.delenv(BUILD_ENV, raising=False)
-    assert glue("x", 1.5) == 1.5
+    monkeypatch.setattr("IPython.display.display", lambda value: shown.append(value))
+    assert glue("x", 1.5) is None
+    assert shown == []
     assert capsys.readouterr().out == ""
 
 
@@ -34,7 +37,7 @@ def test_glue_in_the_build_uses_myst_nb(monkeypatch):
     calls = []
     monkeypatch.setenv(BUILD_ENV, "1")
     monkeypatch.setattr(myst_nb, "glue", lambda name, value, display: calls.append((name, value, display)))
-    assert glue("n", 3) == 3
+    assert glue("n", 3) is None
     assert calls == [("n", 3, False)]
 
 

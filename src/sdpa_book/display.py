@@ -4,7 +4,7 @@ In the book's build (where ``conf.py`` sets ``SDPA_BOOK_BUILD=1`` for the kernel
 is MyST-NB's: the value is stored in the notebook's outputs and pasted where a ``{glue}`` role
 names it. Anywhere else (a downloaded notebook in plain Jupyter, a script) MyST-NB is neither
 needed nor imported: a figure or table is displayed where the page would show it, and a plain
-number, which the notebook's text already states, is only returned.
+number, which the notebook's text already states, is not shown again.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def _is_rich(value) -> bool:
     )
 
 
-def glue(name: str, value, display: bool = False):
-    """Record ``value`` under ``name`` for the page's ``{glue}`` roles; return ``value``.
+def glue(name: str, value, display: bool = False) -> None:
+    """Record ``value`` under ``name`` for the page's ``{glue}`` roles.
 
     Parameters
     ----------
@@ -46,8 +46,8 @@ def glue(name: str, value, display: bool = False):
 
     Returns
     -------
-    object
-        ``value``, unchanged.
+    None
+        As MyST-NB's ``glue``: a cell that ends with a glue shows nothing more.
 
     Raises
     ------
@@ -56,11 +56,10 @@ def glue(name: str, value, display: bool = False):
 
     Examples
     --------
-    Outside the book's build a number is only returned:
+    Outside the book's build a number shows nothing (the text states it already):
 
     >>> from sdpa_book import glue
     >>> glue("answer", 42)
-    42
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str; got {name!r}")
@@ -72,7 +71,6 @@ def glue(name: str, value, display: bool = False):
         from IPython.display import display as show
 
         show(value)
-    return value
 
 
 class Plain:
