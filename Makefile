@@ -10,6 +10,11 @@ PYTEST_ARGS ?=
 HOST        ?= 127.0.0.1
 PORT        ?= 8000
 EXTRAS      ?= test,docs,bench
+# The benchmark compares with PyTorch at this exact pin (any other spec downloads GBs of CUDA).
+TORCH       ?= torch==2.13.0
+BENCH_OUT   ?= $(BUILDDIR)/bench
+BENCH_ARGS  ?=
+REFRESH     ?=
 
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -71,11 +76,18 @@ html-force: $(STAMP) $(NODE_STAMP) $(DIST_STAMP) ## build the book, executing ev
 
 serve: ## serve the built book on http://127.0.0.1:8000 (search does not work from file://)
 	@test -f $(BUILDDIR)/html/index.html || { echo "no book in $(BUILDDIR)/html: run 'make html' first"; exit 1; }
+	@# One clear line instead of http.server's traceback when the port is taken.
+	@err=$$($(PYTHON) -c "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('$(HOST)', int('$(PORT)')))" 2>&1) \
+	  || { echo "cannot serve on http://$(HOST):$(PORT)/ ($$(echo "$$err" | tail -n 1)): is the book already served? Choose another port: make serve PORT=8001"; exit 1; }
 	@echo "Serving the book at http://$(HOST):$(PORT)/ (Ctrl-C stops)"
 	$(PYTHON) -m http.server $(PORT) --bind $(HOST) --directory $(BUILDDIR)/html
 
-bench: $(STAMP) ## run the benchmarks and write benchmarks/results/
-	$(VPY) benchmarks/run.py
+# PyTorch is installed (at the pin) only when missing or at another version. Results go to the
+# untracked $(BENCH_OUT)/; REFRESH=1 writes benchmarks/results/ instead, which is tracked.
+bench: $(STAMP) ## benchmark against PyTorch into _build/bench/ (REFRESH=1: benchmarks/results/)
+	@$(VPY) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$(patsubst torch==%,%,$(TORCH))')" 2>/dev/null \
+	  || { echo "installing $(TORCH) for the comparison"; $(VPY) -m pip install --quiet "$(TORCH)"; }
+	$(VPY) benchmarks/run.py $(if $(REFRESH),--refresh,--out $(BENCH_OUT)) $(BENCH_ARGS)
 
 demo: $(STAMP) ## run the demonstration, python -m sdpa
 	$(VPY) -m sdpa

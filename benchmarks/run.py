@@ -1,7 +1,13 @@
 """Benchmark: sdpa's tiled attention against PyTorch's CPU flash kernel and the textbook formula.
 
 Run with ``make bench`` (or ``.venv/bin/python benchmarks/run.py [--quick]``). Writes
-``benchmarks/results/latest.json`` and ``latest.md`` (``quick.*`` with ``--quick``).
+``latest.json`` and ``latest.md`` (``quick.*`` with ``--quick``) into ``_build/bench/`` (not
+tracked), or ``--out DIR``; ``--refresh`` (``make bench REFRESH=1``) writes them into
+``benchmarks/results/``, the tracked results that the book and the README cite. ``--baseline
+REV`` also times the package as it was at git revision ``REV``, interleaved with the rest, so
+that a change's effect on speed is measured in one run on one machine. ``--only`` runs some
+sections: ``torch`` (the table below), ``auto`` (the ``implementation="auto"`` grid) and
+``split`` (where the time goes).
 
 For every case, one head of width 64 unless stated, inputs with unit-normal entries:
 
@@ -16,7 +22,10 @@ For every case, one head of width 64 unless stated, inputs with unit-normal entr
   128 query rows spread over the sequence, for ours and for torch;
 * where the time goes: on one core, the CPU time of torch, of ours, and of ours with the
   elementwise exponential replaced by a multiplication, which bounds what any rearrangement of
-  the NumPy calls around NumPy's own ``exp`` could gain.
+  the NumPy calls around NumPy's own ``exp`` could gain;
+* the ``"auto"`` grid: many small heads, few large ones and batched heads, each timed with
+  ``implementation="auto"``, ``"reference"`` and ``"tiled"``; ``auto`` should be within 10 % of
+  the faster of the two on every case.
 
 The implementations are timed interleaved, round after round, with a pause between calls:
 OpenBLAS and torch worker threads keep spinning for about 0.1 s after a call and slow down
@@ -29,12 +38,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import importlib.util
+import io
+import itertools
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -45,7 +60,10 @@ import sdpa
 from sdpa import scaled_dot_product_attention
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+REPO = HERE.parent
+RESULTS = HERE / "results"  # tracked: written only with --refresh
+DEFAULT_OUT = REPO / "_build" / "bench"  # untracked
+SECTIONS = ("torch", "auto", "split")
 D = 64
 FULL_NS = [1024, 2048, 4096, 8192, 16384]
 QUICK_NS = [1024, 2048]
@@ -65,6 +83,7 @@ def machine() -> dict:
     info = {
         "cpu": cpu,
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset"),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "sdpa": sdpa.__version__,
@@ -125,6 +144,38 @@ class RSSPeak:
         self.peak = self._read("VmHWM") - self.before
 
 
+def load_baseline(rev: str):
+    """The package ``sdpa`` as it was at git revision ``rev``, imported as ``sdpa_baseline``.
+
+    The package uses relative imports only, so its files can live under another name beside
+    the current one; both are then timed in the same process, interleaved.
+    """
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "src/sdpa"], capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    dest = Path(tempfile.mkdtemp(prefix="sdpa-baseline-"))
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    package = dest / "src" / "sdpa"
+    spec = importlib.util.spec_from_file_location(
+        "sdpa_baseline", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sdpa_baseline"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def in_turn(impls: dict, i: int) -> list:
+    """Round ``i``'s order: forwards in even rounds, backwards in odd ones, so that no
+    implementation always runs right after the same other one (torch's threads, for one,
+    keep spinning briefly after a call)."""
+    items = list(impls.items())
+    return items if i % 2 == 0 else items[::-1]
+
+
 def exact_rows(q, k, v, is_causal, rows):
     """out[rows] in extended precision, straight from the formula."""
     ql = q[..., rows, :].astype(np.longdouble)
@@ -160,7 +211,7 @@ def repeats_for(n: int, heads: int) -> int:
     return 3
 
 
-def run_case(case, torch, peaks, idle) -> dict:
+def run_case(case, torch, peaks, idle, baseline=None) -> dict:
     B, H = case["batch"]
     n, dtype, is_causal = case["n"], np.dtype(case["dtype"]), case["causal"]
     rng = np.random.default_rng(n + 7 * B * H + is_causal)
@@ -169,6 +220,10 @@ def run_case(case, torch, peaks, idle) -> dict:
     flops = 4 * n * n * D * B * H * (0.5 if is_causal else 1.0)
 
     impls = {"ours": lambda: scaled_dot_product_attention(q, k, v, is_causal=is_causal)}
+    if baseline is not None:
+        impls["baseline"] = lambda: baseline.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal
+        )
     skipped = {}
     textbook_estimate = 4 * B * H * n * n * dtype.itemsize  # scores, exp, weights, mask
     if textbook_estimate <= MEMORY_SHARE * mem_available():
@@ -223,7 +278,7 @@ def run_case(case, torch, peaks, idle) -> dict:
     times = {name: [] for name in impls}
     r = repeats_for(n, B * H)
     for i in range(r):
-        for name, f in impls.items():
+        for name, f in in_turn(impls, i):
             if name == "textbook" and n * n * B * H >= 8192**2 and i >= 2:
                 continue  # the slow formula at the largest sizes: two rounds are enough
             time.sleep(idle)
@@ -243,13 +298,17 @@ def run_case(case, torch, peaks, idle) -> dict:
     result["skipped"] = skipped
     t_ours = result["time"]["ours"]
     result["ratio_torch"] = t_ours / result["time"]["torch"] if "torch" in impls else None
+    if "baseline" in impls:
+        t_base = result["time"]["baseline"]
+        result["baseline_ratio_torch"] = t_base / result["time"]["torch"] if "torch" in impls else None
+        result["ours_over_baseline"] = t_ours / t_base
     result["speedup_textbook"] = (
         result["time"]["textbook"] / t_ours if "textbook" in result["time"] else None
     )
     return result
 
 
-def time_split(torch, n=4096, rounds=5) -> list[dict]:
+def time_split(torch, n=4096, rounds=11, baseline=None) -> list[dict]:
     """Where the time goes, on one core: torch, ours, and ours with the exponential removed.
 
     Both libraries run on the calling thread (``torch.set_num_threads(1)``, BLAS held to one
@@ -257,7 +316,9 @@ def time_split(torch, n=4096, rounds=5) -> list[dict]:
     on the machine disturb it little. The third variant swaps the kernel's elementwise
     exponential for a multiplication (its results are wrong; only its time matters): what is
     left is the matrix products and the bookkeeping, which is what a faster exponential could
-    at best reduce our time to.
+    at best reduce our time to. With a ``baseline`` package its tiled path is timed too, in
+    the same rounds: the comparison of two versions that a loaded machine disturbs least.
+    Each dtype runs without a mask and with a causal one.
     """
     from threadpoolctl import threadpool_limits
 
@@ -272,10 +333,10 @@ def time_split(torch, n=4096, rounds=5) -> list[dict]:
     try:
         if torch is not None:
             torch.set_num_threads(1)
-        for dtype in ("float32", "float64"):
+        for dtype, is_causal in itertools.product(("float32", "float64"), (False, True)):
             rng = np.random.default_rng(1)
             q, k, v = (rng.standard_normal((1, 1, n, D)).astype(dtype) for _ in range(3))
-            problem = prepare_attention(q, k, v)
+            problem = prepare_attention(q, k, v, None, is_causal)
 
             def ours():
                 tiled.attention_tiled(problem, workers=1)
@@ -288,25 +349,33 @@ def time_split(torch, n=4096, rounds=5) -> list[dict]:
                     tiled._tile_exp = np.exp
 
             impls = {"ours": ours, "ours without exp": ours_no_exp}
+            if baseline is not None:
+                old_problem = baseline.attention.prepare_attention(q, k, v, None, is_causal)
+                impls["baseline"] = lambda: baseline.tiled.attention_tiled(old_problem, workers=1)
             if torch is not None:
                 tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
 
                 def run_torch():
                     with torch.no_grad():
-                        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+                        torch.nn.functional.scaled_dot_product_attention(
+                            tq, tk, tv, is_causal=is_causal
+                        )
 
                 impls["torch"] = run_torch
             times = {name: [] for name in impls}
             with threadpool_limits(1, user_api="blas"):
                 for f in impls.values():
                     f()
-                for _ in range(rounds):
-                    for name, f in impls.items():
+                for i in range(rounds):
+                    for name, f in in_turn(impls, i):
                         start = time.thread_time()
                         f()
                         times[name].append(time.thread_time() - start)
-            row = {"dtype": dtype, "n": n, "cpu": {k: statistics.median(t) for k, t in times.items()}}
-            print(f"one core, {dtype}, n={n}: " + ", ".join(
+            # the best round: CPU time is inflated, never deflated, by other processes' use of
+            # the shared caches and memory bus
+            row = {"dtype": dtype, "n": n, "causal": is_causal,
+                   "cpu": {k: min(t) for k, t in times.items()}}
+            print(f"one core, {dtype}, n={n}, causal={is_causal}: " + ", ".join(
                 f"{k} {fmt_time(t)}" for k, t in row["cpu"].items()), flush=True)
             rows.append(row)
     finally:
@@ -326,6 +395,16 @@ def summarise(results) -> dict:
 
     s = {
         "ours/torch, all": geomean(sel(lambda r: True, "ratio_torch")),
+        "baseline/torch, all": geomean(
+            [r["baseline_ratio_torch"] for r in results if r.get("baseline_ratio_torch")]
+        ),
+        "ours/baseline, all": geomean(
+            [r["ours_over_baseline"] for r in results if r.get("ours_over_baseline")]
+        ),
+        "max ours/baseline": max(
+            (r["ours_over_baseline"] for r in results if r.get("ours_over_baseline")),
+            default=None,
+        ),
         "ours/torch, causal": geomean(sel(lambda r: r["causal"], "ratio_torch")),
         "ours/torch, not causal": geomean(sel(lambda r: not r["causal"], "ratio_torch")),
         "ours/torch, float32": geomean(sel(lambda r: r["dtype"] == "float32", "ratio_torch")),
@@ -362,84 +441,250 @@ def fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 
 
+def auto_cases(quick: bool) -> list[dict]:
+    """The grid on which ``implementation="auto"`` must pick (nearly) the faster path.
+
+    ``lead`` is the batch shape of q, k and v, ``n`` the sequence length (T = S), ``d`` the
+    head width. Many small heads: the tiled path's per-tile work in Python dominates; few large
+    ones: the reference path's (T, S) matrices do; batched heads sit in between.
+    """
+    grid = [
+        ("many small heads", (20000,), 4, 8, False),  # the issue's case: 32 times slower
+        ("many small heads", (4096,), 16, 16, False),
+        ("many small heads", (1024,), 32, 32, True),
+        ("many small heads", (256,), 64, 16, False),
+        ("few large heads", (1,), 512, 64, False),
+        ("few large heads", (1,), 1024, 64, True),
+        ("few large heads", (1,), 2048, 64, False),
+        ("few large heads", (2,), 4096, 128, True),
+        ("batched heads", (4, 8), 128, 64, False),
+        ("batched heads", (4, 8), 256, 64, True),
+        ("batched heads", (8, 16), 128, 32, False),
+        ("batched heads", (2, 8), 512, 64, False),
+        ("batched heads", (32,), 256, 128, True),
+    ]
+    if quick:
+        grid = [g for g in grid if math.prod(g[1]) * g[2] ** 2 <= 2**22]
+    return [dict(kind=k, lead=lead, n=n, d=d, causal=c, dtype="float32")
+            for k, lead, n, d, c in grid]
+
+
+def run_auto_case(case, idle, rounds=7) -> dict:
+    """Time the three implementations interleaved; which path auto takes; auto / faster.
+
+    Times are the best of the rounds, the estimate least disturbed by other processes on a
+    shared machine (the question is which path is faster, not how fast either is on average).
+    """
+    from sdpa.attention import prepare_attention
+    from sdpa.tiled import worth_tiling
+
+    rng = np.random.default_rng(case["n"] * case["d"])
+    shape = (*case["lead"], case["n"], case["d"])
+    q, k, v = (rng.standard_normal(shape).astype(case["dtype"]) for _ in range(3))
+    impls = {
+        name: (lambda name=name: scaled_dot_product_attention(
+            q, k, v, is_causal=case["causal"], implementation=name))
+        for name in ("auto", "reference", "tiled")
+    }
+    times = {name: [] for name in impls}
+    for f in impls.values():
+        f()  # warm-up
+    for i in range(rounds):
+        for name, f in in_turn(impls, i):
+            time.sleep(idle)
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    result = dict(case, lead=list(case["lead"]))
+    result["time"] = {name: min(t) for name, t in times.items()}
+    result["median"] = {name: statistics.median(t) for name, t in times.items()}
+    chosen = worth_tiling(prepare_attention(q, k, v, None, case["causal"]))
+    result["auto takes"] = "tiled" if chosen else "reference"
+    fastest = min(result["time"]["reference"], result["time"]["tiled"])
+    result["auto/faster"] = result["time"]["auto"] / fastest
+    result["chosen/faster"] = result["time"][result["auto takes"]] / fastest
+    return result
+
+
 def markdown(report) -> str:
     m = report["machine"]
     lines = [
         f"# Benchmark results ({'quick' if report['quick'] else 'full'} run)",
         "",
         f"- date: {report['date']}",
-        f"- machine: {m['cpu']}, {m['cores']} cores; {m.get('blas', 'BLAS unknown')}",
+        f"- machine: {m['cpu']}, {m['cores']} cores; {m.get('blas', 'BLAS unknown')}; "
+        f"OPENBLAS_CORETYPE={m.get('OPENBLAS_CORETYPE', 'unset')}",
         f"- software: Python {m['python']}, NumPy {m['numpy']}, torch {report.get('torch', 'absent')}, sdpa {m['sdpa']}",
-        f"- matrix-multiply peak (NumPy BLAS, all cores): float32 {report['peaks']['float32']:.1f} GFLOP/s, "
-        f"float64 {report['peaks']['float64']:.1f} GFLOP/s",
         f"- load average (1 min) before / after: {report['load'][0]:.2f} / {report['load'][1]:.2f}",
-        f"- head width {D}; time is the median over interleaved rounds; error is the max abs error on 128 rows against np.longdouble",
-        "",
-        "| dtype | causal | B x H | n | ours | torch | textbook | ours/torch | textbook/ours | "
-        "ours GFLOP/s | % peak | torch % peak | ours extra MiB | textbook extra MiB | torch extra MiB | ours error | torch error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["results"]:
-        t = r["time"]
-        mem = r["memory"]
-        lines.append(
-            "| {dtype} | {causal} | {bh} | {n} | {ours} | {torch} | {text} | {rt} | {st} | {gf} | {pk} | {tpk} | {mo} | {mt} | {mto} | {eo} | {et} |".format(
-                dtype=r["dtype"],
-                causal="yes" if r["causal"] else "no",
-                bh=f"{r['batch'][0]} x {r['batch'][1]}",
-                n=r["n"],
-                ours=fmt_time(t["ours"]),
-                torch=fmt_time(t["torch"]) if "torch" in t else "n/a",
-                text=fmt_time(t["textbook"]) if "textbook" in t else "skipped",
-                rt=fmt(r["ratio_torch"], ".2f"),
-                st=fmt(r["speedup_textbook"], ".1f"),
-                gf=f"{r['gflops']['ours']:.1f}",
-                pk=f"{100 * r['peak_share']['ours']:.0f}",
-                tpk=f"{100 * r['peak_share']['torch']:.0f}" if "torch" in t else "n/a",
-                mo=f"{mem['ours'] / 2**20:.1f}",
-                mt=f"{mem['textbook'] / 2**20:.0f}" if "textbook" in mem else "n/a",
-                mto=fmt(None if mem.get("torch") is None else mem["torch"] / 2**20, ".1f"),
-                eo=f"{r['error']['ours']:.1e}",
-                et=f"{r['error']['torch']:.1e}" if "torch" in r["error"] else "n/a",
+    if report.get("baseline"):
+        lines.append(f"- baseline: sdpa at git revision {report['baseline']}, timed interleaved")
+    if "results" in report:
+        lines += [
+            f"- matrix-multiply peak (NumPy BLAS, all cores): float32 {report['peaks']['float32']:.1f} GFLOP/s, "
+            f"float64 {report['peaks']['float64']:.1f} GFLOP/s",
+            f"- head width {D}; time is the median over interleaved rounds; error is the max abs error on 128 rows against np.longdouble",
+            "",
+            "| dtype | causal | B x H | n | ours | torch | textbook | ours/torch | textbook/ours | "
+            "ours GFLOP/s | % peak | torch % peak | ours extra MiB | textbook extra MiB | torch extra MiB | ours error | torch error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in report["results"]:
+            t = r["time"]
+            mem = r["memory"]
+            lines.append(
+                "| {dtype} | {causal} | {bh} | {n} | {ours} | {torch} | {text} | {rt} | {st} | {gf} | {pk} | {tpk} | {mo} | {mt} | {mto} | {eo} | {et} |".format(
+                    dtype=r["dtype"],
+                    causal="yes" if r["causal"] else "no",
+                    bh=f"{r['batch'][0]} x {r['batch'][1]}",
+                    n=r["n"],
+                    ours=fmt_time(t["ours"]),
+                    torch=fmt_time(t["torch"]) if "torch" in t else "n/a",
+                    text=fmt_time(t["textbook"]) if "textbook" in t else "skipped",
+                    rt=fmt(r["ratio_torch"], ".2f"),
+                    st=fmt(r["speedup_textbook"], ".1f"),
+                    gf=f"{r['gflops']['ours']:.1f}",
+                    pk=f"{100 * r['peak_share']['ours']:.0f}",
+                    tpk=f"{100 * r['peak_share']['torch']:.0f}" if "torch" in t else "n/a",
+                    mo=f"{mem['ours'] / 2**20:.1f}",
+                    mt=f"{mem['textbook'] / 2**20:.0f}" if "textbook" in mem else "n/a",
+                    mto=fmt(None if mem.get("torch") is None else mem["torch"] / 2**20, ".1f"),
+                    eo=f"{r['error']['ours']:.1e}",
+                    et=f"{r['error']['torch']:.1e}" if "torch" in r["error"] else "n/a",
+                )
             )
-        )
-    notes = [f"- n={r['n']} {r['dtype']} causal={r['causal']}: textbook {why}"
-             for r in report["results"] for why in r["skipped"].values()]
-    if notes:
-        lines += ["", "Skipped:", *notes]
-    lines += ["", "## Summary (geometric means)", ""]
-    for key, value in report["summary"].items():
-        lines.append(f"- {key}: {fmt(value, '.3f')}")
+        notes = [f"- n={r['n']} {r['dtype']} causal={r['causal']}: textbook {why}"
+                 for r in report["results"] for why in r["skipped"].values()]
+        if notes:
+            lines += ["", "Skipped:", *notes]
+        if report.get("baseline"):
+            lines += [
+                "",
+                f"## Against the baseline ({report['baseline']})",
+                "",
+                "Both versions' default path (tiled here), timed in the same rounds as torch.",
+                "",
+                "| dtype | causal | B x H | n | ours | baseline | ours/torch | baseline/torch | ours/baseline |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in report["results"]:
+                t = r["time"]
+                lines.append(
+                    f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | "
+                    f"{r['batch'][0]} x {r['batch'][1]} | {r['n']} | {fmt_time(t['ours'])} | "
+                    f"{fmt_time(t['baseline'])} | {fmt(r['ratio_torch'], '.3f')} | "
+                    f"{fmt(r.get('baseline_ratio_torch'), '.3f')} | "
+                    f"{fmt(r.get('ours_over_baseline'), '.3f')} |"
+                )
+        lines += ["", "## Summary (geometric means)", ""]
+        for key, value in report["summary"].items():
+            if value is not None:
+                lines.append(f"- {key}: {fmt(value, '.3f')}")
+    auto = report.get("auto")
+    if auto:
+        worst = max(r["auto/faster"] for r in auto)
+        lines += [
+            "",
+            '## `implementation="auto"` against the faster path',
+            "",
+            "float32, T = S = n, q, k and v of shape (*lead, n, d); best of 7 interleaved "
+            "rounds. \"chosen/faster\" compares the path auto takes with the faster one in the "
+            "same rounds; \"auto/faster\" times auto itself (the same path, plus the decision).",
+            "",
+            "| case | lead | n | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in auto:
+            t = r["time"]
+            lines.append(
+                f"| {r['kind']} | {tuple(r['lead'])} | {r['n']} | {r['d']} | "
+                f"{'yes' if r['causal'] else 'no'} | {fmt_time(t['reference'])} | "
+                f"{fmt_time(t['tiled'])} | {fmt_time(t['auto'])} | {r['auto takes']} | "
+                f"{r['chosen/faster']:.2f} | {r['auto/faster']:.2f} |"
+            )
+        lines += ["", f"- worst auto/faster: {worst:.2f} (target: at most 1.10)"]
     split = report.get("time_split")
     if split:
         lines += [
             "",
-            "## Where the time goes (one core, CPU time, no mask)",
+            "## Where the time goes (one core, CPU time)",
             "",
-            "torch and ours on one thread each; \"ours without exp\" is our kernel with its",
-            "elementwise exponential replaced by a multiplication (wrong results, timing only).",
+            "Best of 11 interleaved rounds; torch and ours on one thread each; \"ours without "
+            "exp\" is our kernel with its",
+            "elementwise exponential replaced by a multiplication (wrong results, timing only)."
+            + (" \"baseline\" is the tiled path at the baseline revision, in the same rounds."
+               if any("baseline" in r["cpu"] for r in split) else ""),
             "",
-            "| dtype | n | torch | ours | ours without exp | ours/torch | without exp/torch | exp share of ours |",
-            "|---|---|---|---|---|---|---|---|",
+            "| dtype | causal | n | torch | ours | ours without exp | baseline | ours/torch "
+            "| baseline/torch | ours/baseline | without exp/torch | exp share of ours |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in split:
             c = r["cpu"]
             t = c.get("torch")
+            b = c.get("baseline")
             lines.append(
-                f"| {r['dtype']} | {r['n']} | {fmt_time(t) if t else 'n/a'} | {fmt_time(c['ours'])} "
-                f"| {fmt_time(c['ours without exp'])} | {fmt(c['ours'] / t if t else None, '.2f')} "
+                f"| {r['dtype']} | {'yes' if r.get('causal') else 'no'} | {r['n']} "
+                f"| {fmt_time(t) if t else 'n/a'} | {fmt_time(c['ours'])} "
+                f"| {fmt_time(c['ours without exp'])} | {fmt_time(b) if b else 'n/a'} "
+                f"| {fmt(c['ours'] / t if t else None, '.3f')} "
+                f"| {fmt(b / t if t and b else None, '.3f')} "
+                f"| {fmt(c['ours'] / b if b else None, '.3f')} "
                 f"| {fmt(c['ours without exp'] / t if t else None, '.2f')} "
                 f"| {1 - c['ours without exp'] / c['ours']:.0%} |"
             )
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def seconds(text: str) -> float:
+    """argparse type: a finite, non-negative number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds; got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0; got {text}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Validate every argument, and create the output directory, before anything is timed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="n in {1024, 2048} only")
-    parser.add_argument("--idle", type=float, default=IDLE, help="pause between calls, s")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument("--idle", type=seconds, default=IDLE, help="pause between calls, s")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results directory (default {DEFAULT_OUT.relative_to(REPO)}, untracked)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="write into benchmarks/results/ (tracked) instead of --out")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time sdpa as it was at this git revision, interleaved")
+    parser.add_argument("--only", choices=SECTIONS, action="append",
+                        help="run only these sections (repeatable); default all")
     args = parser.parse_args(argv)
+    if args.refresh and args.out is not None:
+        parser.error("--refresh writes into benchmarks/results/; it cannot be combined with --out")
+    args.out = RESULTS if args.refresh else (args.out or DEFAULT_OUT)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        parser.error(f"--out {args.out}: cannot create or write this directory ({error.strerror})")
+    if args.baseline is not None:
+        check = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", args.baseline + "^{commit}"],
+            capture_output=True, check=False,
+        )
+        if check.returncode != 0:
+            parser.error(f"--baseline {args.baseline}: not a git revision of {REPO}")
+    args.sections = tuple(args.only or SECTIONS)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    baseline = load_baseline(args.baseline) if args.baseline else None
 
     try:
         import torch
@@ -454,39 +699,59 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "machine": machine(),
         "torch": None if torch is None else torch.__version__,
+        "baseline": args.baseline,
+        "sections": list(args.sections),
     }
     load0 = os.getloadavg()[0]
-    report["peaks"] = {name: gemm_peak(np.dtype(name)) for name in ("float32", "float64")}
-    print(f"GEMM peak: {report['peaks']}", flush=True)
-    results = []
-    for case in case_list(args.quick):
-        r = run_case(case, torch, report["peaks"], args.idle)
-        r["load"] = os.getloadavg()[0]
-        results.append(r)
-        print(
-            f"{case['dtype']} causal={case['causal']!s:5} {case['batch']} n={case['n']:6}: "
-            f"ours {fmt_time(r['time']['ours'])}, ours/torch {fmt(r['ratio_torch'], '.2f')}, "
-            f"textbook/ours {fmt(r['speedup_textbook'], '.1f')}, "
-            f"{100 * r['peak_share']['ours']:.0f}% peak, "
-            f"extra {r['memory']['ours'] / 2**20:.1f} MiB, error {r['error']['ours']:.1e} "
-            f"(torch {r['error'].get('torch', float('nan')):.1e})",
-            flush=True,
+    if "torch" in args.sections:
+        report["peaks"] = {name: gemm_peak(np.dtype(name)) for name in ("float32", "float64")}
+        print(f"GEMM peak: {report['peaks']}", flush=True)
+        results = []
+        for case in case_list(args.quick):
+            r = run_case(case, torch, report["peaks"], args.idle, baseline)
+            r["load"] = os.getloadavg()[0]
+            results.append(r)
+            print(
+                f"{case['dtype']} causal={case['causal']!s:5} {case['batch']} n={case['n']:6}: "
+                f"ours {fmt_time(r['time']['ours'])}, ours/torch {fmt(r['ratio_torch'], '.2f')}, "
+                f"baseline/torch {fmt(r.get('baseline_ratio_torch'), '.2f')}, "
+                f"textbook/ours {fmt(r['speedup_textbook'], '.1f')}, "
+                f"{100 * r['peak_share']['ours']:.0f}% peak, "
+                f"extra {r['memory']['ours'] / 2**20:.1f} MiB, error {r['error']['ours']:.1e} "
+                f"(torch {r['error'].get('torch', float('nan')):.1e})",
+                flush=True,
+            )
+        # The peak is measured again at the end and the better value kept: on a shared machine
+        # one measurement may fall in a busy moment. Shares of the peak are recomputed with it.
+        for name in report["peaks"]:
+            report["peaks"][name] = max(report["peaks"][name], gemm_peak(np.dtype(name)))
+        for r in results:
+            r["peak_share"] = {k: g / report["peaks"][r["dtype"]] for k, g in r["gflops"].items()}
+        report["results"] = results
+        report["summary"] = summarise(results)
+    if "auto" in args.sections:
+        report["auto"] = []
+        for case in auto_cases(args.quick):
+            r = run_auto_case(case, args.idle)
+            report["auto"].append(r)
+            t = r["time"]
+            print(
+                f"auto grid {case['kind']:16} {str(case['lead']):10} n={case['n']:5} "
+                f"d={case['d']:3} causal={case['causal']!s:5}: reference "
+                f"{fmt_time(t['reference'])}, tiled {fmt_time(t['tiled'])}, auto "
+                f"{fmt_time(t['auto'])} ({r['auto takes']}), auto/faster {r['auto/faster']:.2f}",
+                flush=True,
+            )
+    if "split" in args.sections:
+        report["time_split"] = time_split(
+            torch, n=QUICK_NS[-1] if args.quick else 4096, baseline=baseline
         )
     report["load"] = [load0, os.getloadavg()[0]]
-    # The peak is measured again at the end and the better value kept: on a shared machine one
-    # measurement may fall in a busy moment. Shares of the peak are recomputed with it.
-    for name in report["peaks"]:
-        report["peaks"][name] = max(report["peaks"][name], gemm_peak(np.dtype(name)))
-    for r in results:
-        r["peak_share"] = {k: g / report["peaks"][r["dtype"]] for k, g in r["gflops"].items()}
-    report["results"] = results
-    report["summary"] = summarise(results)
-    report["time_split"] = time_split(torch, n=QUICK_NS[-1] if args.quick else 4096)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "quick" if args.quick else "latest"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
+    print(f"written: {args.out / (stem + '.md')} and .json")
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Measurements behind the constants of ``sdpa.tiled``: tile sizes and the ``auto`` threshold.
+"""Measurements behind the constants of ``sdpa.tiled``: tile sizes and the ``auto`` rule.
 
-``.venv/bin/python benchmarks/tune.py [tiles|threshold]``
+``.venv/bin/python benchmarks/tune.py [tiles|threshold|auto]``
 
 * ``tiles``: CPU time of one worker thread (``time.thread_time``, BLAS on one thread) for a
   grid of tile sizes at n = 2048, one head of width 64, causal and not. CPU time of a single
@@ -9,6 +9,11 @@
   relative to the current default.
 * ``threshold``: wall time of ``implementation="reference"`` and ``"tiled"`` (all cores)
   interleaved, for small problems, to place ``sdpa.tiled.MIN_TILED_SCORES``.
+* ``auto``: wall time of both paths, interleaved (best of several rounds, which is the least
+  disturbed by other processes), over a grid of head counts, lengths and widths; then a
+  least-squares fit of the cost model of ``sdpa.tiled.estimated_times`` (relative errors,
+  coefficients kept non-negative). Prints the fitted ``REFERENCE_COST`` and ``TILED_COST`` and,
+  for each case, which path the fitted and the current models choose and what that costs.
 """
 
 from __future__ import annotations
@@ -62,9 +67,152 @@ def threshold(rounds=7, idle=0.05):
               f"tiled {til * 1e3:7.2f} ms, tiled/reference {til / ref:.2f}", flush=True)
 
 
+def auto_grid():
+    """(lead, n, d, causal) cases spanning many small heads to few large ones."""
+    cases = []
+    for lead in [(1,), (4,), (16,), (64,), (256,), (1024,), (4096,), (20000,)]:
+        for n in (4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+            scores = int(np.prod(lead)) * n * n
+            if not (2**15 <= scores <= 2**24):
+                continue
+            for d in (8, 64) if n >= 16 else (8,):
+                cases.append((lead, n, d, False))
+            if n >= 256:
+                cases.append((lead, n, 64, True))
+    return cases
+
+
+def _nnls(A, b, iterations=20):
+    """Least squares with non-negative coefficients: refit without those that come out negative."""
+    free = np.ones(A.shape[1], dtype=bool)
+    x = np.zeros(A.shape[1])
+    for _ in range(iterations):
+        x[:] = 0
+        x[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+        if (x >= 0).all():
+            break
+        free &= x > 0
+    return x
+
+
+def _cpu_time(f, rounds):
+    """Best CPU time of ``f`` on the calling thread over ``rounds`` runs (after a warm-up)."""
+    f()
+    best = np.inf
+    for _ in range(rounds):
+        start = time.thread_time()
+        f()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def _wall_time(f, rounds, idle=0.01):
+    f()
+    best = np.inf
+    for _ in range(rounds):
+        time.sleep(idle)
+        start = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def auto(rounds=5, dtype=np.float32):
+    """Fit the cost model of ``implementation="auto"`` from single-thread CPU times.
+
+    CPU time of one thread barely moves when other processes share the machine, where wall
+    time can change tenfold; so both paths run on one thread (BLAS held to one thread, the
+    tiled path with ``workers=1``), their CPU costs are fitted term by term, and the wall time
+    on ``W`` idle cores is modelled from them: the tiled path divides its work among the
+    workers; the reference path's products (the term proportional to the head width) run on
+    BLAS's threads, its softmax passes on one. The fixed cost of a call (validation, and for
+    the tiled path the creation of its threads) is the best wall time of a tiny problem.
+    """
+    from sdpa.tiled import (
+        REFERENCE_COST,
+        TILED_COST,
+        attention_tiled,
+        default_workers,
+        estimated_times,
+        tiling_geometry,
+    )
+    from sdpa.attention import attention_reference
+
+    workers = default_workers()
+    rows = []
+    with threadpool_limits(1, user_api="blas"):
+        for lead, n, d, is_causal in auto_grid():
+            q, k, v = (rng.standard_normal((*lead, n, d)).astype(dtype) for _ in range(3))
+            problem = prepare_attention(q, k, v, None, is_causal)
+            ref = 1e6 * _cpu_time(lambda: attention_reference(problem), rounds)
+            til = 1e6 * _cpu_time(lambda: attention_tiled(problem, workers=1), rounds)
+            units, tiles_, scores, _ = tiling_geometry(problem)
+            matrices = int(np.prod(problem.batch_shape))
+            rows.append(dict(lead=lead, n=n, d=d, causal=is_causal, ref=ref, tiled=til,
+                             matrices=matrices, units=units, tiles=tiles_, scores=scores,
+                             width=2 * d, problem=problem))
+            print(f"{str(lead):9} n={n:5} d={d:3} causal={is_causal!s:5}: CPU reference "
+                  f"{ref / 1e3:9.2f} ms, tiled {til / 1e3:9.2f} ms", flush=True)
+    tiny = np.zeros((1, 8, 8), dtype)
+    call_ref = 1e6 * _wall_time(
+        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="reference"),
+        50)
+    call_til = 1e6 * _wall_time(
+        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="tiled"), 50)
+
+    # CPU of the reference path, per matrix: matrix + io * (T + S) * width; per score:
+    # score + score_width * width + masked * (a mask or band)
+    A = np.array([[r["matrices"], r["matrices"] * 2 * r["n"] * r["width"],
+                   r["matrices"] * r["n"] ** 2, r["matrices"] * r["n"] ** 2 * r["width"],
+                   r["matrices"] * r["n"] ** 2 * r["causal"]] for r in rows], dtype=float)
+    b = np.array([r["ref"] for r in rows])
+    x_ref = _nnls(A / b[:, None], np.ones(len(rows)))
+    spread_ref = A @ x_ref / b
+    matrix, io, score, width, masked = x_ref
+    fitted_ref = dict(call=call_ref, matrix=matrix, io=io, score=score,
+                      score_width=width / workers, masked=masked)  # BLAS spreads the products
+    # CPU of the tiled path = unit * units + tile * (tiles - units)
+    #                         + computed * (score + score_width * width)
+    A = np.array([[r["units"], r["tiles"] - r["units"], r["scores"], r["scores"] * r["width"]]
+                  for r in rows], dtype=float)
+    b = np.array([r["tiled"] for r in rows])
+    x_til = _nnls(A / b[:, None], np.ones(len(rows)))
+    spread_til = A @ x_til / b
+    unit, tile, score, width = x_til
+    fitted_til = dict(call=call_til, unit=unit, tile=tile, score=score, score_width=width)
+    print("REFERENCE_COST =", {k: float(f"{v:.3g}") for k, v in fitted_ref.items()})
+    print("TILED_COST =", {k: float(f"{v:.3g}") for k, v in fitted_til.items()})
+    for name, spread in (("reference", spread_ref), ("tiled", spread_til)):
+        low, mid, high = np.percentile(spread, [10, 50, 90])
+        print(f"{name}: model / measured CPU time: median {mid:.2f}, 10 % to 90 %: "
+              f"{low:.2f} to {high:.2f}")
+
+    # which path each model picks, by the modelled wall times
+    import sdpa.tiled as tiled_module
+
+    def picks(model_ref, model_til):
+        saved = dict(tiled_module.REFERENCE_COST), dict(tiled_module.TILED_COST)
+        tiled_module.REFERENCE_COST.update(model_ref)
+        tiled_module.TILED_COST.update(model_til)
+        try:
+            return ["tiled" if t < r else "reference"
+                    for r, t in (estimated_times(row["problem"]) for row in rows)]
+        finally:
+            tiled_module.REFERENCE_COST.update(saved[0])
+            tiled_module.TILED_COST.update(saved[1])
+
+    new_picks = picks(fitted_ref, fitted_til)
+    old_picks = picks(REFERENCE_COST, TILED_COST)
+    for row, new, old in zip(rows, new_picks, old_picks):
+        print(f"  {str(row['lead']):9} n={row['n']:5} d={row['d']:3} causal={row['causal']!s:5}: "
+              f"fitted model takes {new:9}, current model {old}")
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["tiles", "threshold"]
+    what = sys.argv[1:] or ["tiles", "threshold", "auto"]
     if "tiles" in what:
         tiles()
     if "threshold" in what:
         threshold()
+    if "auto" in what:
+        auto()

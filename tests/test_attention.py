@@ -336,11 +336,30 @@ def test_nan_in_a_key_with_a_float_bias_stays_nan(rng):
     assert np.isnan(scaled_dot_product_attention(q, k, v, bias)).all()
 
 
-def test_nan_in_a_masked_out_value_propagates_as_documented(rng):
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_nan_in_a_masked_out_value_does_not_reach_the_output(rng, implementation):
+    # Policy: a position hidden by a bool mask is absent, its value included (PyTorch's math
+    # path spreads it through 0 * nan). Expected: the same call with the value removed.
     q, k, v = randn(rng, T, DK), randn(rng, S, DK), randn(rng, S, DV)
-    v[4] = np.nan
-    out = scaled_dot_product_attention(q, k, v, np.arange(S) != 4)
-    assert np.isnan(out).all()  # 0 * nan = nan in the final matrix product
+    v_nan = v.copy()
+    v_nan[4] = np.nan
+    mask = np.arange(S) != 4
+    out = scaled_dot_product_attention(q, k, v_nan, mask, implementation=implementation)
+    ref = loop_attention_2d(q, np.delete(k, 4, 0), np.delete(v, 4, 0))[0]
+    np.testing.assert_allclose(out, ref, **F64)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_nan_in_a_value_hidden_by_the_causal_mask(rng, implementation):
+    # Issue 9: the reference path gave 3 NaN rows (0 * nan, as PyTorch's math path), the tiled
+    # path none. Policy, both paths: only the rows that may attend the NaN value are NaN.
+    q, k, v = randn(rng, 4, DK), randn(rng, 4, DK), randn(rng, 4, 1)
+    v_nan = v.copy()
+    v_nan[3] = np.nan
+    out = scaled_dot_product_attention(q, k, v_nan, is_causal=True, implementation=implementation)
+    assert np.isnan(out[3]).all()
+    ref = loop_attention(q, k, v, is_causal=True)[0]
+    np.testing.assert_allclose(out[:3], ref[:3], **F64)
 
 
 # --- fully masked rows and empty dimensions ----------------------------------------------------
@@ -381,7 +400,8 @@ def test_no_keys_at_all(dtype):
         k, v = np.ones((B, H, 0, DK), dtype), np.ones((B, H, 0, DV), dtype)
         out, weights, lse = sdpa_all(q, k, v)
     assert out.shape == (B, H, T, DV) and weights.shape == (B, H, T, 0) and lse.shape == (B, H, T)
-    assert out.dtype == weights.dtype == lse.dtype == dtype
+    assert out.dtype == weights.dtype == dtype
+    assert lse.dtype == np.promote_types(dtype, np.float32)  # float16's lse is float32
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, -np.inf)
 
@@ -515,15 +535,18 @@ def test_output_is_a_convex_combination_of_values(rng):
 def test_floating_dtype_is_preserved(dtype, rng):
     q, k, v = (randn(rng, *s).astype(dtype) for s in ((H, T, DK), (H, S, DK), (H, S, DV)))
     out, weights, lse = sdpa_all(q, k, v, rng.random((T, S)) < 0.7, is_causal=True)
-    assert out.dtype == weights.dtype == lse.dtype == dtype
+    assert out.dtype == weights.dtype == dtype
+    assert lse.dtype == np.promote_types(dtype, np.float32)  # float16's lse is float32
 
 
 def test_float16_is_computed_in_float32(rng):
     q, k, v = (randn(rng, *s).astype(np.float16) for s in ((H, T, DK), (H, S, DK), (H, S, DV)))
-    got = sdpa_all(q, k, v)
+    out, weights, lse = sdpa_all(q, k, v)
     expected = sdpa_all(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
-    for g, e in zip(got, expected):
-        np.testing.assert_array_equal(g, e.astype(np.float16))
+    np.testing.assert_array_equal(out, expected[0].astype(np.float16))
+    np.testing.assert_array_equal(weights, expected[1].astype(np.float16))
+    assert lse.dtype == np.float32  # as FlashAttention: float16 overflows beyond 65504
+    np.testing.assert_array_equal(lse, expected[2])
 
 
 def test_float32_matches_float64_reference(rng):
@@ -855,10 +878,66 @@ def test_bad_window_raises(window):
         scaled_dot_product_attention(*q_k_v(), window=window)
 
 
-@pytest.mark.parametrize("flag", ["is_causal", "enable_gqa"])
-def test_non_bool_flag_raises(flag):
-    with pytest.raises(TypeError, match=rf"{flag} must be a bool; got 1"):
-        scaled_dot_product_attention(*q_k_v((1, T, DK), (1, S, DK), (1, S, DV)), **{flag: 1})
+@pytest.mark.parametrize("flag", ["is_causal", "enable_gqa", "return_weights", "return_lse"])
+@pytest.mark.parametrize("value", [1, "no", None])
+def test_non_bool_flag_raises(flag, value):
+    # return_weights="no" used to return the weights (a non-empty string is true)
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool; got {value!r}"):
+        scaled_dot_product_attention(*q_k_v((1, T, DK), (1, S, DK), (1, S, DV)), **{flag: value})
+
+
+def test_numpy_bools_are_bools():
+    out = scaled_dot_product_attention(*q_k_v(), is_causal=np.True_, return_lse=np.False_)
+    assert out.shape == (T, DV)
+
+
+def test_a_wrong_rng_raises_even_without_dropout():
+    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator, .* got int"):
+        scaled_dot_product_attention(*q_k_v(), rng=0)
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "attn_mask"])
+def test_masked_arrays_raise_and_point_to_attn_mask(which):
+    # np.asarray drops the mask of a numpy.ma array: the masked entries would be used.
+    args = dict(zip(("query", "key", "value"), q_k_v()))
+    args["attn_mask"] = None
+    data = args[which] if which != "attn_mask" else np.zeros((T, S), dtype=bool)
+    args[which] = np.ma.masked_array(data, mask=np.zeros(data.shape, dtype=bool))
+    hint = "a plain bool array" if which == "attn_mask" else "the plain array, and .* attn_mask"
+    with pytest.raises(TypeError, match=rf"{which} must not be a numpy.ma.MaskedArray: its mask "
+                                        rf"would be silently ignored; pass {hint}"):
+        scaled_dot_product_attention(**args)
+
+
+@pytest.mark.parametrize("which", ["query", "attn_mask"])
+def test_ragged_input_names_the_argument(which):
+    args = dict(zip(("query", "key", "value"), q_k_v()))
+    args[which] = [[0.0, 1.0], [2.0]]
+    with pytest.raises(ValueError, match=rf"^{which} must be an array or a rectangular nested "):
+        scaled_dot_product_attention(**args)
+
+
+def test_none_input_names_the_argument():
+    with pytest.raises(TypeError, match=r"^key must be an array; got None"):
+        scaled_dot_product_attention(np.zeros((T, DK)), None, np.zeros((S, DV)))
+
+
+def test_scale_beyond_the_working_dtype_raises():
+    q = np.zeros((T, DK), np.float32)
+    with pytest.raises(ValueError, match=r"scale must fit in float32, .*; got 1e\+300"):
+        scaled_dot_product_attention(q, q, q, scale=1e300)
+
+
+def test_reference_path_refuses_what_cannot_fit_in_memory():
+    # (2, 10**6, 10**6) float64 weights: 16 TB. Broadcast views cost nothing to pass in.
+    q = np.broadcast_to(np.zeros((1, 1, 4)), (2, 10**6, 4))
+    with pytest.raises(
+        MemoryError,
+        match=r"the reference path's scores and weights of shape \(2, 1000000, 1000000\) in "
+              r"float64 would take about .* TiB \(48000000000000 bytes\), more than the .* "
+              r"available; use implementation='tiled'",
+    ):
+        scaled_dot_product_attention(q, q, q, return_weights=True)
 
 
 @pytest.mark.parametrize("scale", [np.inf, -np.inf, np.nan])

@@ -362,12 +362,11 @@ def test_auto_tiles_large_problems_only(rng, monkeypatch):
 
 
 def test_auto_tiles_exactly_when_the_forward_pass_does(rng, monkeypatch):
-    # Just below and at the forward pass's threshold, with one head, several heads and GQA
-    # (the count is over all heads): the backward pass takes the tiled path iff the forward
-    # pass does.
+    # Problems on both sides of the forward pass's rule (sdpa.tiled.worth_tiling): one head,
+    # several, GQA, many small heads. The backward pass takes the tiled path iff the forward
+    # pass does, and both decisions occur.
     import sdpa.attention
     import sdpa.backward as backward
-    import sdpa.tiled
 
     forward_calls, backward_calls = [], []
     real_forward, real_backward = sdpa.attention.attention_tiled, backward.backward_tiled
@@ -379,21 +378,19 @@ def test_auto_tiles_exactly_when_the_forward_pass_does(rng, monkeypatch):
         backward, "backward_tiled",
         lambda *a, **kw: backward_calls.append(1) or real_backward(*a, **kw),
     )
-    S_ = 512
-    decisions = []
-    for heads, kv_heads in ((1, 1), (2, 2), (4, 2)):
-        at = -(-sdpa.tiled.MIN_TILED_SCORES // (heads * S_))  # ceil: heads * T * S >= threshold
-        for T_ in (at - 1, at):
-            q, d_out = randn(rng, heads, T_, 2), randn(rng, heads, T_, 3)
-            k, v = randn(rng, kv_heads, S_, 2), randn(rng, kv_heads, S_, 3)
-            opts = dict(enable_gqa=heads != kv_heads, is_causal=True)
-            forward_calls.clear()
-            backward_calls.clear()
-            attention(q, k, v, **opts)
-            attention_backward(d_out, q, k, v, **opts)
-            assert bool(forward_calls) == bool(backward_calls), (heads, kv_heads, T_)
-            decisions.append(bool(backward_calls))
-    assert decisions == [False, True] * 3  # below the threshold: reference; at it: tiled
+    decisions = set()
+    for heads, kv_heads, T_, S_ in ((1, 1, 64, 512), (1, 1, 512, 512), (2, 2, 300, 512),
+                                    (4, 2, 512, 512), (2048, 2048, 8, 8)):
+        q, d_out = randn(rng, heads, T_, 2), randn(rng, heads, T_, 3)
+        k, v = randn(rng, kv_heads, S_, 2), randn(rng, kv_heads, S_, 3)
+        opts = dict(enable_gqa=heads != kv_heads, is_causal=True)
+        forward_calls.clear()
+        backward_calls.clear()
+        attention(q, k, v, **opts)
+        attention_backward(d_out, q, k, v, **opts)
+        assert bool(forward_calls) == bool(backward_calls), (heads, kv_heads, T_, S_)
+        decisions.add(bool(backward_calls))
+    assert decisions == {False, True}
 
 
 def test_tiled_backward_memory_does_not_grow_with_the_score_matrix(rng):
@@ -553,3 +550,113 @@ def test_errors_of_the_forward_pass_are_the_same(qkv):
         attention_backward(np.ones((H, T, DV)), q, k[..., :2], v)
     with pytest.raises(TypeError, match="attn_mask has integer dtype"):
         attention_backward(np.ones((H, T, DV)), q, k, v, np.ones((T, S), dtype=int))
+
+
+# ---------------------------------------------------------------------------------------------
+# Large negative biases, shared keys, non-finite inputs (issue 9)
+# ---------------------------------------------------------------------------------------------
+
+
+def _huge_bias_case(rng, dtype, fill, pattern):
+    q = randn(rng, 2, 8, 16, dtype=dtype)
+    k = randn(rng, 2, 600, 16, dtype=dtype)
+    v = randn(rng, 2, 600, 16, dtype=dtype)
+    bias = np.zeros((2, 8, 600), dtype=dtype)
+    if pattern == "first keys":  # left padding: the first key tile of every row is masked
+        bias[..., :300] = fill
+    elif pattern == "every key":
+        bias[0] = fill
+        bias[1, ::2] = fill
+    return q, k, v, bias
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("fill", ["finfo.min", -1e9, -1e30])
+@pytest.mark.parametrize("pattern", ["first keys", "every key"])
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_gradients_with_a_huge_negative_bias_match_torch(
+    torch, rng, dtype, fill, pattern, implementation
+):
+    # The tiled backward's gradients were off by up to 1.4 (its forward's lse was wrong).
+    fill = np.finfo(dtype).min if fill == "finfo.min" else fill
+    q, k, v, bias = _huge_bias_case(rng, dtype, fill, pattern)
+    d_out = randn(rng, 2, 8, 16, dtype=dtype)
+    _, *want = torch_grads(torch, d_out, q, k, v, bias)
+    got = attention_backward(d_out, q, k, v, bias, implementation=implementation)
+    # Gradients of order 0.1 to 10, against the same computation in torch.
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-9, atol=1e-9)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradients_from_a_stored_lse_of_finfo_min_rows_are_exact(rng, dtype):
+    # lse = finfo.min + log(600) rounds to finfo.min: exp(scores - lse) alone would give every
+    # key the weight 1 instead of 1/600. Given out and lse, both paths still match the
+    # gradients computed without them.
+    q, k, v, bias = _huge_bias_case(rng, dtype, np.finfo(dtype).min, "every key")
+    d_out = randn(rng, 2, 8, 16, dtype=dtype)
+    out, lse = attention(q, k, v, bias, return_lse=True, implementation="reference")
+    want = attention_backward(d_out, q, k, v, bias, implementation="reference")
+    tol = F32 if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    for implementation in ("reference", "tiled"):
+        got = attention_backward(
+            d_out, q, k, v, bias, out=out, lse=lse, implementation=implementation
+        )
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, **tol)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "tiled", "reference"])
+def test_keys_and_values_shared_across_the_batch(rng, implementation):
+    q = randn(rng, 2, 8, 256, 16)  # (B, H, T, Dk)
+    k = randn(rng, 8, 256, 16)  # (H, S, Dk): one set of keys for every batch element
+    v = randn(rng, 8, 256, 12)
+    d_out = randn(rng, 2, 8, 256, 12)
+    got = attention_backward(d_out, q, k, v, implementation=implementation)  # tiled raised
+    # The same gradients with the keys copied along the batch, summed back over it.
+    k2, v2 = np.broadcast_to(k, (2, 8, 256, 16)), np.broadcast_to(v, (2, 8, 256, 12))
+    d_q, d_k2, d_v2 = attention_backward(d_out, q, k2, v2, implementation="reference")
+    np.testing.assert_allclose(got[0], d_q, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[1], d_k2.sum(0), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[2], d_v2.sum(0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_nan_rows_make_exactly_their_gradients_nan(rng, implementation):
+    # Query row 1 holds a NaN; value 5 holds an inf. Causal: row 1 attends keys 0, 1; the
+    # value at 5 reaches rows 5 and 6. NaN in, NaN out, and nothing else is touched.
+    q, k, v = randn(rng, 7, DK), randn(rng, 7, DK), randn(rng, 7, DV)
+    q[1, 2] = np.nan
+    v[5, 0] = np.inf
+    d_out = randn(rng, 7, DV)
+    d_q, d_k, d_v = attention_backward(
+        d_out, q, k, v, is_causal=True, implementation=implementation, block_q=2, block_k=3
+    )
+    np.testing.assert_array_equal(np.isnan(d_q).all(1), [0, 1, 0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(np.isnan(d_k).all(1), [1, 1, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(np.isnan(d_v).all(1), [1, 1, 1, 1, 1, 1, 1])
+    # Rows 0, 2, 3, 4 on their own: the gradients of the clean rows are those of the clean
+    # problem restricted to them (d_out of the poisoned rows set to zero).
+    clean = [0, 2, 3, 4]
+    q2, v2 = q.copy(), v.copy()
+    q2[1] = 0.0
+    v2[5] = 0.0
+    d_out2 = d_out.copy()
+    d_out2[[1, 5, 6]] = 0.0
+    want = attention_backward(d_out2, q2, k, v2, is_causal=True, implementation="reference")
+    np.testing.assert_allclose(d_q[clean], want[0][clean], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_nan_in_a_hidden_value_leaves_the_gradients_alone(rng, implementation):
+    q, k, v = randn(rng, 6, DK), randn(rng, 6, DK), randn(rng, 6, DV)
+    mask = np.arange(6) != 3
+    v_nan = v.copy()
+    v_nan[3] = np.nan
+    d_out = randn(rng, 6, DV)
+    got = attention_backward(d_out, q, k, v_nan, mask, implementation=implementation)
+    want = attention_backward(d_out, q, k, v, mask, implementation="reference")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)

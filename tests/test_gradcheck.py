@@ -105,8 +105,10 @@ def test_errors(rng):
     x = rng.standard_normal(3)
     with pytest.raises(TypeError, match="f must be callable; got int"):
         numerical_gradient(3, (x,))
-    with pytest.raises(TypeError, match="args must be a tuple or list of arrays, e.g. \\(x,\\)"):
-        numerical_gradient(np.sum, x)
+    with pytest.raises(TypeError, match="args must be an array or a tuple or list of .*; got set"):
+        numerical_gradient(np.sum, {1.0, 2.0})
+    with pytest.raises(TypeError, match=r"args\[0\] must not be a numpy.ma.MaskedArray"):
+        numerical_gradient(np.sum, np.ma.masked_array(x, [0, 1, 0]))
     with pytest.raises(TypeError, match=r"args\[0\] must be a real array; got dtype complex128"):
         numerical_gradient(np.sum, (x + 1j,))
     with pytest.raises(ValueError, match="eps must be a positive finite number; got 0.0"):
@@ -127,5 +129,20 @@ def test_errors(rng):
         gradcheck(lambda a: a, lambda d, a: (d[:2],), (x,))
     with pytest.raises(ValueError, match="atol must be a non-negative real number; got -1"):
         gradcheck(lambda a: a, lambda d, a: (d,), (x,), atol=-1)
-    with pytest.raises(TypeError, match="rng must be a numpy.random.Generator; got int"):
+    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator, .*; got int"):
         gradcheck(lambda a: a, lambda d, a: (d,), (x,), rng=0)
+    # checked even when it is not used (d_out given): a wrong argument is never ignored
+    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator, .*; got int"):
+        gradcheck(lambda a: a, lambda d, a: (d,), (x,), np.ones(3), rng=0)
+    with pytest.raises(TypeError, match="raise_exception must be a bool; got 'no'"):
+        gradcheck(lambda a: a, lambda d, a: (d,), (x,), raise_exception="no")
+
+
+def test_a_single_array_is_one_argument(rng):
+    # As torch.autograd.gradcheck(f, x): no need to write (x,).
+    x = rng.standard_normal((2, 3))
+    (g,) = numerical_gradient(lambda a: np.sum(a**3), x)
+    np.testing.assert_allclose(g, 3 * x**2, rtol=1e-8)
+    assert gradcheck(lambda a: np.sin(a), lambda d, a: d * np.cos(a), x)
+    (g,) = numerical_gradient(lambda a: a**2, 1.5)  # a number is a 0-d array
+    np.testing.assert_allclose(g, 3.0, rtol=1e-8)

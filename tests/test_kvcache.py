@@ -160,6 +160,38 @@ def test_views_are_read_only_and_stable(rng):
     assert cache.keys(0).shape == (1, 1, 5, 2)
 
 
+def test_views_are_unchanged_by_an_append_after_a_crop(rng):
+    # The docstring promises that a view never changes; an append after crop used to write
+    # into the buffer under earlier views (the "rejected draft" case of speculative decoding).
+    cache = KVCache(1, 1, 2, capacity=8)
+    k = rng.standard_normal((1, 1, 5, 2))
+    keys, values = cache.append(0, k, k)
+    cache.crop(3)
+    kept = cache.keys(0)
+    new = rng.standard_normal((1, 1, 2, 2))
+    cache.append(0, new, new)
+    np.testing.assert_array_equal(keys, k)  # all five original tokens, as before the crop
+    np.testing.assert_array_equal(values, k)
+    np.testing.assert_array_equal(kept, k[:, :, :3])
+    np.testing.assert_array_equal(cache.keys(0), np.concatenate([k[:, :, :3], new], axis=2))
+    # Without a view below the write position no copy is made: appends stay amortised O(1).
+    buffer = cache.keys(0).base
+    cache.append(0, new[:, :, :1], new[:, :, :1])
+    assert cache.keys(0).base is buffer
+
+
+def test_float16_cache_rejects_values_it_cannot_hold():
+    cache = KVCache(1, 1, 2, dtype=np.float16)
+    big = np.full((1, 1, 1, 2), 1e5)  # float16 holds at most 65504
+    with pytest.raises(ValueError, match=r"value must fit in float16, the cache's dtype .* 1e\+05"):
+        cache.append(0, np.ones((1, 1, 1, 2)), big)
+    with pytest.raises(ValueError, match=r"key must fit in float16, the cache's dtype"):
+        cache.append(0, -big, np.ones((1, 1, 1, 2)))
+    assert cache.length(0) == 0
+    keys, _ = cache.append(0, np.full((1, 1, 1, 2), 65504.0), np.ones((1, 1, 1, 2)))
+    assert np.isfinite(keys).all()
+
+
 def test_inputs_not_kept_or_mutated(rng):
     k = rng.standard_normal((1, 1, 2, 2))
     before = k.copy()
@@ -244,8 +276,24 @@ def test_error_dtype_not_floating():
         KVCache(1, 1, 2, dtype=np.int32)
 
 
+def test_error_dtype_none():
+    # np.dtype(None) is float64: the cache would silently store float64 when the caller meant
+    # "the model's dtype".
+    with pytest.raises(TypeError, match=r"dtype must be a floating dtype .*; got None"):
+        KVCache(1, 1, 2, dtype=None)
+
+
+def test_error_attend_return_lse_not_bool():
+    cache = KVCache(1, 1, 2)
+    cache.append(0, np.ones((1, 1, 1, 2)), np.ones((1, 1, 1, 2)))
+    with pytest.raises(TypeError, match="return_lse must be a bool; got 'yes'"):
+        cache.attend(0, np.ones((1, 1, 1, 2)), return_lse="yes")
+
+
 def test_error_dtype_not_a_dtype():
-    with pytest.raises(TypeError, match="dtype must be a floating dtype; got 'nonsense'"):
+    with pytest.raises(
+        TypeError, match=r"dtype must be a floating dtype \(float16, float32 or float64\); got 'nons"
+    ):
         KVCache(1, 1, 2, dtype="nonsense")
 
 

@@ -154,6 +154,20 @@ def test_dtypes_preserved_and_accurate(rng, dtype, tol, is_causal):
     np.testing.assert_allclose(out.astype(np.float64), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("size", [1e30, 1e-30])
+def test_features_far_from_one_neither_overflow_nor_underflow(rng, is_causal, size):
+    # Features of 1e30 are finite in float32, but the sums over keys (1e60) are not: the
+    # result was NaN. Expected: the quadratic form in float64, where nothing overflows.
+    phi = lambda x: np.abs(x) * size + 1e-3 * size  # noqa: E731 (finite, positive features)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((6, 4), (9, 4), (9, 3)))
+    out = linear_attention(q, k, v, feature_map=phi, is_causal=is_causal, eps=0.0)
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    want = quadratic_form(*(a.astype(np.float64) for a in (q, k, v)), phi, causal=is_causal,
+                          eps=0.0)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_integer_inputs_compute_in_float64():
     q = np.array([[1, 0], [0, 1]])
     out = linear_attention(q, q, np.array([[1, 0], [0, 1]]), eps=0.0)

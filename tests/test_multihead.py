@@ -331,3 +331,27 @@ def test_random_needs_n_heads_dividing_d_model():
 def test_random_needs_a_generator():
     with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator"):
         MultiHeadAttention.random(12, 3, rng=0)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, bool, np.complex128, None, "float"])
+def test_random_needs_a_floating_dtype(dtype):
+    # int32 Glorot weights all round to zero: an all-zero model, silently.
+    expected = "None" if dtype is None else str(np.dtype(dtype))
+    if dtype == "float":
+        return  # "float" is float64: accepted
+    with pytest.raises(TypeError, match=rf"dtype must be a floating dtype .*; got {expected}"):
+        MultiHeadAttention.random(12, 3, rng=np.random.default_rng(0), dtype=dtype)
+
+
+def test_random_bias_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"bias must be a bool; got 'yes'"):
+        MultiHeadAttention.random(12, 3, rng=np.random.default_rng(0), bias="yes")
+
+
+def test_call_flags_and_rng_are_validated():
+    mha = MultiHeadAttention.random(12, 3, rng=np.random.default_rng(0))
+    x = np.zeros((2, 12))
+    with pytest.raises(TypeError, match=r"return_weights must be a bool; got 'no'"):
+        mha(x, return_weights="no")
+    with pytest.raises(TypeError, match=r"rng must be a numpy.random.Generator"):
+        mha(x, rng=1)

@@ -293,3 +293,36 @@ def test_property_large_float32_is_stable_and_accurate(x):
 def test_property_shift_invariance(x, c):
     np.testing.assert_allclose(softmax(x + c), softmax(x), rtol=1e-9, atol=1e-300)
     np.testing.assert_allclose(logsumexp(x + c), logsumexp(x) + c, rtol=1e-12, atol=1e-9)
+
+
+# --- finite inputs spread beyond the range, masked arrays ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finite_inputs_wider_than_the_range_do_not_warn(dtype):
+    # x - max(x) = -2 * finfo.max overflows to -inf: the far entry's probability is 0 (its
+    # true value, exp(-3.6e38), underflows anyway) and no warning is emitted (warnings are
+    # errors in this suite).
+    big = np.finfo(dtype).max
+    x = np.array([[big, -big, 0.0], [-big, -big, -big]], dtype=dtype)
+    with np.errstate(**RAISE_ON_TROUBLE):
+        p, log_p, lse = softmax(x), log_softmax(x), logsumexp(x)
+    np.testing.assert_array_equal(p[0], [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(p[1], [1 / 3] * 3, rtol=1e-6)  # three equal entries
+    np.testing.assert_array_equal(log_p[0], [0.0, -np.inf, -big])
+    np.testing.assert_allclose(lse, [big, -big], rtol=1e-6)
+
+
+@pytest.mark.parametrize("f", [softmax, log_softmax, logsumexp])
+def test_masked_arrays_raise(f):
+    # np.asarray would drop the mask and use the masked entries.
+    x = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    with pytest.raises(TypeError, match=r"x must not be a numpy.ma.MaskedArray: its mask would "
+                                        r"be silently ignored; pass the plain array with the "
+                                        r"masked entries set to -inf"):
+        f(x)
+
+
+def test_ragged_input_names_x():
+    with pytest.raises(ValueError, match=r"^x must be an array or a rectangular nested sequence"):
+        softmax([[1.0, 2.0], [3.0]])

@@ -132,3 +132,20 @@ def test_errors():
         softmax_vjp(np.zeros(3), 1.0)
     with pytest.raises(TypeError, match="axis must be an integer"):
         softmax_vjp(np.zeros(3), np.zeros(3), axis=0.5)
+
+
+def test_jacobian_that_cannot_fit_raises_before_allocating():
+    # 10**6 slices of 10**5 entries: a (10**6, 10**5, 10**5) Jacobian, 80 PB. A broadcast view
+    # costs nothing to pass in; the estimate is made before anything is allocated.
+    x = np.broadcast_to(np.zeros(1), (10**6, 10**5))
+    with pytest.raises(
+        MemoryError,
+        match=r"the Jacobian of shape \(1000000, 100000, 100000\) in float64 would take about "
+              r".* TiB \(80000000000000000 bytes\), more than the .* available; softmax_vjp",
+    ):
+        softmax_jacobian(x)
+
+
+def test_jacobian_rejects_masked_arrays():
+    with pytest.raises(TypeError, match=r"x must not be a numpy.ma.MaskedArray"):
+        softmax_jacobian(np.ma.masked_array([1.0, 2.0], mask=[True, False]))

@@ -188,7 +188,7 @@ def test_broadcast_heads_and_batch(rng):
 def test_dtypes_are_preserved(rng, dtype):
     q, k, v = qkv(rng, dtype)
     got = tiled(q, k, v, None, True, block_q=4, block_k=3)
-    assert got[0].dtype == dtype and got[1].dtype == dtype
+    assert got[0].dtype == dtype and got[1].dtype == np.promote_types(dtype, np.float32)
     assert_same(got, reference(q, k, v, None, True), dtype)
 
 
@@ -326,7 +326,9 @@ def test_tiles_a_padding_mask_disallows_are_skipped(rng):
 def test_tile_map_errors():
     with pytest.raises(ValueError, match="block_q must be a positive integer; got 0"):
         tile_map(4, 4, block_q=0, block_k=2)
-    with pytest.raises(TypeError, match="block_k must be a non-negative integer"):
+    with pytest.raises(TypeError, match="is_causal must be a bool; got 'yes'"):
+        tile_map(4, 4, block_q=2, block_k=2, is_causal="yes")
+    with pytest.raises(TypeError, match="block_k must be a positive integer; got 2.5"):
         tile_map(4, 4, block_q=2, block_k=2.5)
 
 
@@ -366,6 +368,55 @@ def test_auto_keeps_the_reference_path_for_weights_dropout_and_small_problems(rn
     assert spy == [(1, 2, 8, 512)]
 
 
+def test_auto_keeps_many_small_heads_on_the_reference_path(rng, spy):
+    # 20000 heads of 4 x 4 scores: 320000 scores, above the old threshold, but 20000 work units
+    # of 16 scores each; the tiled path was 32 times slower than the reference path.
+    q = normal(rng, (20000, 4, 8), np.float32)
+    out = scaled_dot_product_attention(q, q, q)
+    assert spy == []
+    want = scaled_dot_product_attention(q, q, q, implementation="reference")
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize(
+    "shape, mask_shape, kw",
+    [
+        ((2, 3, 300, 16), None, {}),
+        ((1, 2, 700, 8), None, dict(is_causal=True)),
+        ((3, 500, 8), None, dict(window=(100, 0), causal_alignment="bottom_right")),
+        ((2, 4, 90, 8), None, dict(enable_gqa=True)),
+        ((5, 40, 8), (5, 40, 40), {}),
+    ],
+)
+def test_tiling_geometry_counts_what_the_kernel_visits(rng, monkeypatch, shape, mask_shape, kw):
+    # The counts behind the "auto" rule, against the kernel's own counters.
+    import sdpa.tiled
+    from sdpa.tiled import tiling_geometry
+
+    runs = []
+    real_run = sdpa.tiled._Worker.run
+    monkeypatch.setattr(
+        sdpa.tiled._Worker, "run", lambda self, *a: runs.append(a) or real_run(self, *a)
+    )
+    q = normal(rng, shape)
+    k = normal(rng, shape[:-3] + (shape[-3] // 2,) + shape[-2:]) if kw.get("enable_gqa") else q
+    mask = None if mask_shape is None else np.ones(mask_shape, dtype=bool)
+    is_causal = kw.pop("is_causal", False)
+    problem = prepare_attention(q, k, k, mask, is_causal, **kw)
+    units, tiles, scores, workers = tiling_geometry(problem)
+    stats = TileStats()
+    attention_tiled(problem, stats=stats)
+    assert tiles == stats.computed
+    assert units == len(runs)
+    assert workers == min(sdpa.tiled.default_workers(), units)
+    # scores: the entries of the computed tiles, trimmed to the band's keys (independent sum)
+    band = np.ones((problem.T, problem.S), dtype=bool)
+    if is_causal or kw.get("window"):
+        band = problem.band_mask()
+    heads = int(np.prod(problem.batch_shape))
+    assert scores >= heads * int(band.sum())
+
+
 def test_implementation_errors(rng):
     q = normal(rng, (4, 3))
     with pytest.raises(ValueError, match="implementation must be 'auto', 'reference' or 'tiled'"):
@@ -401,3 +452,293 @@ def test_tiled_agrees_with_pytorch(torch, rng):
         tq, tk, tv, attn_mask=causal_lower_right(200, 300), enable_gqa=True
     ).numpy()
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+# -- large negative float biases (the Hugging Face convention) ------------------------------
+#
+# The running shift m used to be folded into the first matrix product even when it came from
+# a tile whose every key carried a huge negative bias; the product then rounded q.k away (max
+# error 0.31 in float32 on the reproducer below). The expected values here come from PyTorch
+# and from the reference path, which forms the scores exactly as the formula says.
+
+
+def biased_problem(dtype, fill, pattern, rng, *, t=8, s=1200, heads=2):
+    """q (heads, t, 16), k and v (heads, s, 16), and a (heads, t, s) bias of 0 and ``fill``."""
+    q, k, v = (normal(rng, (heads, n, 16), dtype) for n in (t, s, s))
+    bias_dtype = np.float32 if dtype == np.float16 else dtype  # float16 cannot hold -1e9
+    bias = np.zeros((heads, t, s), dtype=bias_dtype)
+    if pattern == "first tile":  # left padding: the first keys are masked for every row
+        bias[..., : s // 2] = fill
+    elif pattern == "last tile":
+        bias[..., s // 2 :] = fill
+    elif pattern == "every tile":  # rows with nothing but the fill: still a proper softmax
+        bias[...] = fill
+    elif pattern == "mixed":  # per head, per row and per tile
+        bias[0, ::2, : s // 3] = fill
+        bias[0, 1::2] = fill
+        bias[1, :, s // 3 : 2 * s // 3] = fill
+        bias[1, 3, -5:] = 0.0
+        bias[1, 0] = fill
+    return q, k, v, bias
+
+
+FILLS = [
+    pytest.param(None, id="finfo.min"),  # the inputs' own dtype's finfo.min
+    pytest.param(-1e9, id="-1e9"),
+    pytest.param(-1e30, id="-1e30"),
+    pytest.param(-1e4, id="-1e4"),
+]
+PATTERNS = ["first tile", "last tile", "every tile", "mixed"]
+
+
+def assert_as_accurate(got, want, exact, dtype):
+    """``got`` is at most twice as far from ``exact`` as ``want`` is, plus the usual tolerance.
+
+    In float32 a bias of -1e4 rounds every score of its row to a multiple of 2**-10, and the
+    last bit of q.k (which BLAS computes in a shape-dependent order) decides some of those
+    roundings: no two implementations agree beyond that, so they are compared by accuracy.
+    """
+    for g, w, e in zip(got, want, exact):
+        assert g.dtype == w.dtype and g.shape == w.shape and not np.isnan(g).any()
+        np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
+        finite = np.isfinite(w)
+        e = e.astype(np.float64)[finite]
+        error_want = np.abs(w[finite].astype(np.float64) - e)
+        error_got = np.abs(g[finite].astype(np.float64) - e)
+        tol = TOL[dtype]["atol"] + TOL[dtype]["rtol"] * np.abs(e)
+        assert (error_got <= 2 * error_want.max() + tol).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("fill", FILLS)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_large_negative_bias_matches_the_reference(rng, dtype, fill, pattern):
+    fill = float(np.finfo(dtype).min) if fill is None else fill
+    q, k, v, bias = biased_problem(dtype, fill, pattern, rng)
+    want = reference(q, k, v, bias)
+    exact = reference(*(a.astype(np.float64) for a in (q, k, v, bias)))
+    for block_q, block_k in [(None, None), (3, 100), (8, 1200)]:
+        got = tiled(q, k, v, bias, block_q=block_q, block_k=block_k)
+        if dtype == np.float64:
+            assert_same(got, want, dtype)
+        else:
+            assert_as_accurate(got, want, exact, dtype)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("fill", FILLS)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_large_negative_bias_is_as_accurate_as_the_reference_against_torch(
+    torch, rng, dtype, fill, pattern
+):
+    fill = float(np.finfo(dtype).min) if fill is None else fill
+    q, k, v, bias = biased_problem(dtype, fill, pattern, rng)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(a) for a in (q, k, v, bias))
+    ).numpy()
+    ours = scaled_dot_product_attention(q, k, v, bias, implementation="reference")
+    til = scaled_dot_product_attention(q, k, v, bias, implementation="tiled")
+    floor = {np.float32: 1e-6, np.float64: 1e-14}[dtype]
+    error_reference = np.abs(ours - theirs).max()
+    assert error_reference <= 10 * floor  # the reference path itself agrees with torch
+    assert np.abs(til - theirs).max() <= max(2 * error_reference, 10 * floor)
+
+
+def test_the_issue_reproducer(rng):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 8, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 1200, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 1200, 16)).astype(np.float32)
+    b = np.zeros((8, 1200), np.float32)
+    b[:, :600] = np.finfo(np.float32).min
+    ref = scaled_dot_product_attention(q, k, v, b, implementation="reference")
+    til = scaled_dot_product_attention(q, k, v, b, implementation="tiled")
+    np.testing.assert_allclose(til, ref, rtol=1e-5, atol=1e-6)  # was 0.31 apart
+    # and the keys under the fill get no weight: the same as attending keys 600: only
+    alone = scaled_dot_product_attention(q, k[:, 600:], v[:, 600:], implementation="reference")
+    np.testing.assert_allclose(til, alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_under_a_uniform_huge_bias_get_the_uniform_softmax(dtype):
+    # Every key of the row carries finfo.min: scale q.k is below the spacing of finfo.min, so
+    # every score rounds to finfo.min and the softmax is uniform (hand-computed: out = the
+    # mean of the values, lse = finfo.min + log S rounds to finfo.min).
+    q = np.full((3, 4), 0.5, dtype)
+    k = np.linspace(-1, 1, 40, dtype=dtype).reshape(10, 4)
+    v = np.arange(20, dtype=dtype).reshape(10, 2)
+    bias = np.full((3, 10), np.finfo(dtype).min, dtype)
+    for block_k in (1, 3, 10):
+        out, lse = tiled(q, k, v, bias, block_q=2, block_k=block_k)
+        np.testing.assert_allclose(out, np.broadcast_to(v.mean(0), (3, 2)), rtol=1e-6)
+        np.testing.assert_array_equal(lse, np.finfo(dtype).min)
+
+
+# -- keys and values shared across the batch ------------------------------------------------
+
+
+def test_keys_and_values_shared_across_the_batch_minimal():
+    q = np.zeros((2, 2, 1, 1))
+    k = v = np.zeros((2, 1, 1))
+    out = scaled_dot_product_attention(q, k, v, implementation="tiled")  # raised before
+    np.testing.assert_array_equal(out, np.zeros((2, 2, 1, 1)))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_keys_and_values_shared_across_the_batch(rng, is_causal):
+    q = normal(rng, (2, 8, 256, 16))  # (B, H, T, Dk)
+    k = normal(rng, (8, 256, 16))  # (H, S, Dk): the same for every batch element
+    v = normal(rng, (8, 256, 12))
+    got = scaled_dot_product_attention(q, k, v, is_causal=is_causal, return_lse=True)
+    assert_same(got, reference(q, k, v, None, is_causal))
+    for block_q, block_k in [(5, 7), (300, 300)]:
+        got = tiled(q, k, v, None, is_causal, block_q=block_q, block_k=block_k)
+        assert_same(got, reference(q, k, v, None, is_causal))
+
+
+# -- concurrent calls and BLAS threads ------------------------------------------------------
+
+
+def blas_threads():
+    from threadpoolctl import threadpool_info
+
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+@pytest.fixture
+def two_blas_threads():
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        if not blas_threads() or min(blas_threads()) < 2:
+            pytest.skip("BLAS cannot run 2 threads here")
+        yield blas_threads()
+
+
+def test_overlapping_blas_limits_are_restored(two_blas_threads):
+    # Two calls whose single-threaded sections overlap, the first finishing first: the setting
+    # must come back to what it was, not to what the second call saw on entry (one thread).
+    from sdpa.tiled import single_threaded_blas
+
+    first, second = single_threaded_blas(), single_threaded_blas()
+    first.__enter__()
+    assert set(blas_threads()) == {1}
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert set(blas_threads()) == {1}  # the second call still runs
+    second.__exit__(None, None, None)
+    assert blas_threads() == two_blas_threads
+
+
+def test_concurrent_calls_leave_blas_as_they_found_it(two_blas_threads, rng):
+    # Whether the calls overlap in the order of the test above depends on timing; this one
+    # checks the end state and the results of real concurrent calls.
+    import threading
+
+    q = normal(rng, (2, 200, 16), np.float32)
+    want = reference(q, q, q)[0]
+    barrier = threading.Barrier(2)
+    results, errors = [], []
+
+    def call():
+        try:
+            barrier.wait()
+            for _ in range(2):
+                results.append(scaled_dot_product_attention(q, q, q, implementation="tiled"))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4
+    for got in results:
+        np.testing.assert_allclose(got, want, **TOL[np.float32])
+    assert blas_threads() == two_blas_threads
+
+
+# -- overflow, NaN rows and float16 log-sum-exp ---------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_scores_that_overflow_raise_on_both_paths(implementation, sign):
+    # q = k = 1e200: every score is 1e400 * 8 / sqrt(8), beyond float64. The reference path
+    # returned a "limit", the tiled path NaN; with k = -q the scores overflow to -inf and the
+    # rows were reported as fully masked. Both paths now refuse, naming query and key.
+    q = np.full((1, 4, 8), 1e200)
+    with pytest.raises(ValueError, match=r"query and key give scores .* range of float64"):
+        scaled_dot_product_attention(q, sign * q, q, implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_scores_that_overflow_float32_raise(implementation):
+    q = np.full((3, 4), 3e19, np.float32)  # q.k = 3.6e39 > 3.4e38
+    with pytest.raises(ValueError, match=r"beyond the range of float32 .* or pass float64"):
+        scaled_dot_product_attention(q, q, q, implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_large_finite_scores_that_fit_are_exact(implementation):
+    # Close to the limit but representable: no error, and the hand-computed answer. Scores
+    # 1e300 * [1, 0.5] on two keys: the first key takes all the weight.
+    q = np.array([[1e150, 0.0]])
+    k = np.array([[1e150, 0.0], [0.5e150, 0.0]])
+    v = np.array([[1.0], [2.0]])
+    out, lse = scaled_dot_product_attention(
+        q, k, v, scale=1.0, implementation=implementation, return_lse=True
+    )
+    np.testing.assert_array_equal(out, [[1.0]])
+    np.testing.assert_allclose(lse, [1e300], rtol=1e-15)
+
+
+def test_a_bias_beyond_the_working_dtype_raises():
+    q = np.ones((4, 8), np.float32)
+    for bad in (1e300, -1e300):
+        bias = np.zeros((4, 4))  # float64, cast to float32, the working dtype
+        bias[1, 2] = bad
+        with pytest.raises(
+            ValueError, match=r"attn_mask must fit in float32, the dtype the scores are .* got "
+        ):
+            scaled_dot_product_attention(q, q, q, bias)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_a_nan_query_row_gives_nan_lse_on_both_paths(rng, implementation):
+    q, k, v = normal(rng, (6, 4)), normal(rng, (5, 4)), normal(rng, (5, 3))
+    q[2, 1] = np.nan
+    out, lse = scaled_dot_product_attention(
+        q, k, v, implementation=implementation, return_lse=True
+    )
+    assert np.isnan(lse[2]) and np.isnan(out[2]).all()  # the tiled path gave lse = -inf
+    rest = [0, 1, 3, 4, 5]
+    want = reference(q[rest], k, v)
+    np.testing.assert_allclose(out[rest], want[0], **TOL[np.float64])
+    np.testing.assert_allclose(lse[rest], want[1], **TOL[np.float64])
+
+
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+def test_float16_lse_is_float32_and_the_backward_is_exact_with_it(implementation):
+    # q = k = 200 in float16, D = 4: every score is 200 * 200 * 4 / 2 = 80000 > 65504. One
+    # query, four keys, equal scores: weights 1/4, lse = 80000 + log 4 (hand-computed).
+    q = np.full((1, 4), 200.0, np.float16)
+    k = np.full((4, 4), 200.0, np.float16)
+    v = np.arange(12, dtype=np.float16).reshape(4, 3)
+    out, lse = scaled_dot_product_attention(
+        q, k, v, return_lse=True, implementation=implementation
+    )
+    assert lse.dtype == np.float32
+    np.testing.assert_allclose(lse, [80000 + np.log(4)], rtol=1e-7)
+    np.testing.assert_array_equal(out, [v.astype(np.float32).mean(0)])
+    d_out = np.ones((1, 3), np.float16)
+    d_q, d_k, d_v = sdpa.scaled_dot_product_attention_backward(
+        d_out, q, k, v, out=out, lse=lse, implementation=implementation
+    )
+    np.testing.assert_array_equal(d_v, np.full((4, 3), 0.25))  # was all zeros
+    # d_scores_j = P_j (dO . v_j - dO . out) = (3 j + 3 - 6 ... ) / 4: hand-computed below
+    d_scores = 0.25 * (v.astype(np.float64).sum(1) - v.astype(np.float64).mean(0).sum())
+    np.testing.assert_allclose(d_q, [0.5 * (d_scores @ k.astype(np.float64))], rtol=1e-3)
+    np.testing.assert_allclose(d_k, 0.5 * d_scores[:, None] * q.astype(np.float64), rtol=1e-3)

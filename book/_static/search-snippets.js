@@ -6,7 +6,7 @@
   const NOT_PROSE = [
     ".bd-header-article", ".header-article-items", ".bd-sidebar-secondary", ".bd-toc",
     ".theme-switch-button", ".dropdown", "nav", ".onlyprint", "div.cell_input",
-    ".toctree-wrapper", ".admonition.overview", ".prev-next-area", "footer",
+    ".toctree-wrapper", ".admonition.overview", ".prev-next-area", "footer", "div.highlight",
   ].join(", ");
 
   // \(Q K^\top / \sqrt{D_k}\) -> Q Kᵀ / √Dk: enough to read a snippet.

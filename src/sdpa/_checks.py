@@ -6,30 +6,70 @@ Every message follows the same pattern: which argument, what was expected, what 
 from __future__ import annotations
 
 import math
+import os
 from numbers import Integral, Real
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "as_array",
     "as_float_array",
     "compute_dtype",
+    "lse_dtype",
     "check_alignment",
+    "check_bool",
+    "check_float_dtype",
+    "check_memory",
+    "MEMORY_CHECK_BYTES",
+    "check_range",
+    "range_error",
     "check_window",
     "check_nonneg_int",
+    "check_positive_int",
 ]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
+MASKED_ARRAY_HINT = "pass a plain array"
+ATTENTION_MASK_HINT = (
+    "pass the plain array, and the masked positions as attn_mask (a bool array, True = may "
+    "attend)"
+)
 
-def as_float_array(x: ArrayLike, name: str) -> np.ndarray:
+
+def as_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_HINT) -> np.ndarray:
+    """``np.asarray(x)`` with errors that name the argument.
+
+    A ``numpy.ma.MaskedArray`` raises ``TypeError``: NumPy functions would silently drop its
+    mask. A ragged nested sequence raises ``ValueError`` instead of NumPy's message, which does
+    not say which argument was ragged. ``masked_hint`` says what to pass instead.
+    """
+    if x is None:
+        raise TypeError(f"{name} must be an array; got None")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} must not be a numpy.ma.MaskedArray: its mask would be silently ignored; "
+            f"{masked_hint}"
+        )
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"{name} must be an array or a rectangular nested sequence of numbers; "
+            f"NumPy could not convert it: {error}"
+        ) from None
+
+
+def as_float_array(x: ArrayLike, name: str, *, masked_hint: str = MASKED_ARRAY_HINT) -> np.ndarray:
     """Convert ``x`` to an array, rejecting kinds that attention cannot use.
 
     Floating arrays keep their dtype; integer and bool arrays become float64 (NumPy's rule for
-    ``np.true_divide``). Complex, object, string and datetime arrays raise ``TypeError``.
-    The input is never copied unless a conversion is needed, and never modified.
+    ``np.true_divide``). Complex, object, string and datetime arrays raise ``TypeError``, and
+    so do masked arrays (see :func:`as_array`). The input is never copied unless a conversion
+    is needed, and never modified.
     """
-    arr = np.asarray(x)
+    arr = as_array(x, name, masked_hint=masked_hint)
     kind = arr.dtype.kind
     if kind == "f":
         return arr
@@ -47,12 +87,122 @@ def compute_dtype(*arrays: np.ndarray) -> tuple[np.dtype, np.dtype]:
     return out, work
 
 
+def lse_dtype(out_dtype: np.dtype) -> np.dtype:
+    """The dtype of a returned log-sum-exp: at least float32 (float16 scores overflow at 65504)."""
+    return np.promote_types(out_dtype, np.float32)
+
+
+def check_bool(value, name: str) -> bool:
+    """Return ``value`` as a ``bool`` if it is one (Python or NumPy), else raise ``TypeError``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
+
+
+def check_float_dtype(dtype, name: str = "dtype") -> np.dtype:
+    """A floating dtype (float16, float32, float64, ...) from anything ``np.dtype`` accepts.
+
+    None is refused (``np.dtype(None)`` would silently mean float64), and so are integer, bool
+    and complex dtypes, which would give all-zero or complex weights.
+    """
+    message = f"{name} must be a floating dtype (float16, float32 or float64); got "
+    if dtype is None:
+        raise TypeError(message + "None")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(message + repr(dtype)) from None
+    if dt.kind != "f":
+        raise TypeError(message + str(dt))
+    return dt
+
+
+def check_range(x: np.ndarray, dtype, name: str, why: str = "") -> None:
+    """Raise ``ValueError`` if a finite entry of ``x`` would overflow to infinity in ``dtype``.
+
+    Casting such an entry would silently give ``inf`` (with a NumPy warning). ``why`` says why
+    ``dtype`` matters, e.g. ``", the cache's dtype"``. Entries that are already infinite are
+    left to the caller's own rules.
+    """
+    dtype = np.dtype(dtype)
+    if x.size == 0 or x.dtype.kind != "f" or np.finfo(x.dtype).max <= np.finfo(dtype).max:
+        return
+    limit = float(np.finfo(dtype).max)
+    with np.errstate(invalid="ignore"):
+        big = (np.abs(x) > limit) & np.isfinite(x)
+    if big.any():
+        worst = float(x[big][np.argmax(np.abs(x[big]))])
+        raise range_error(name, dtype, worst, why)
+
+
+def range_error(name: str, dtype, value: float, why: str = "", hint: str = "") -> ValueError:
+    """The uniform message of :func:`check_range`."""
+    limit = float(np.finfo(dtype).max)
+    return ValueError(
+        f"{name} must fit in {np.dtype(dtype)}{why} (|x| <= {limit:.4g}); got {value:.4g}, "
+        f"which would become {'-' if value < 0 else '+'}inf{hint}"
+    )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process (Linux: MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return None
+
+
+# Below this many bytes an allocation is not checked (reading /proc/meminfo costs ~20 us).
+MEMORY_CHECK_BYTES = 1 << 26
+
+
+def check_memory(nbytes: int, what: str, hint: str = "") -> None:
+    """Raise ``MemoryError`` before allocating ``nbytes`` if they exceed the available memory.
+
+    ``what`` names the allocation and its shape, e.g. ``"the weights of shape (8, 500, 500)"``;
+    ``hint`` says how to avoid it. An allocation that cannot fit would otherwise be attempted,
+    and the system would swap or kill the process; NumPy's own ``MemoryError`` names no argument.
+    """
+    if nbytes <= MEMORY_CHECK_BYTES:
+        return
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise MemoryError(
+            f"{what} would take about {_format_bytes(nbytes)} ({nbytes} bytes), more than the "
+            f"{_format_bytes(available)} of memory available" + (f"; {hint}" if hint else "")
+        )
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def check_nonneg_int(value, name: str) -> int:
     """Return ``value`` as an ``int`` if it is a non-negative integer, else raise."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
         raise TypeError(f"{name} must be a non-negative integer; got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be a non-negative integer; got {value!r}")
+    return int(value)
+
+
+def check_positive_int(value, name: str) -> int:
+    """Return ``value`` as an ``int`` if it is a positive integer, else raise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be a positive integer; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
 
 

@@ -17,19 +17,26 @@ Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``T`` quer
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from ._checks import (
+    ATTENTION_MASK_HINT,
+    as_array,
     as_float_array,
     check_alignment,
+    check_bool,
+    check_memory,
     check_probability,
     check_rng,
     check_scale,
     check_window,
     compute_dtype,
+    lse_dtype,
+    range_error,
 )
 from .masks import alignment_offset, band_limits, band_mask
 from .softmax import softmax_and_lse
@@ -64,6 +71,15 @@ class AttentionProblem:
     out_dtype: np.dtype
     work_dtype: np.dtype
     groups: int | None  # G when enable_gqa split the heads, else None
+    # Non-finite inputs (NaN, inf) are replaced by zeros in query, key and value above, and
+    # remembered here, so that every implementation computes with finite numbers and then
+    # marks exactly the rows that such an input reaches (see poisoned_rows).
+    bad_query: np.ndarray | None = None  # (..., T) bool: query rows with a non-finite entry
+    bad_key: np.ndarray | None = None  # (..., S) bool: keys with a non-finite entry
+    bad_value: np.ndarray | None = None  # (..., S) bool: values with a non-finite entry
+    # False when the norms of query and key and the size of the bias prove that no score (nor
+    # any intermediate of the tiled path) can overflow; True means: check the scores.
+    may_overflow: bool = False
 
     @property
     def scores_shape(self) -> tuple[int, ...]:
@@ -90,11 +106,15 @@ def _shape_error(what: str, **arrays) -> ValueError:
     return ValueError(f"{what}; got {given}")
 
 
-def _check_mask(attn_mask, scores_shape: tuple[int, ...], full_heads_shape: tuple[int, ...]):
-    """Split ``attn_mask`` into ``(allowed, bias)``; check it broadcasts to the scores."""
+def _check_mask(attn_mask, full_heads_shape: tuple[int, ...], work_dtype: np.dtype):
+    """Split ``attn_mask`` into ``(allowed, bias, bias_bound)``; check it fits the scores.
+
+    ``bias_bound`` is the largest magnitude of a finite bias entry (0 without a bias).
+    """
     if attn_mask is None:
-        return None, None
-    mask = np.asarray(attn_mask)
+        return None, None, 0.0
+    hint = "pass a plain bool array (True = may attend) or float bias"
+    mask = as_array(attn_mask, "attn_mask", masked_hint=hint)
     kind = mask.dtype.kind
     if kind in "iu":
         raise TypeError(
@@ -119,11 +139,64 @@ def _check_mask(attn_mask, scores_shape: tuple[int, ...], full_heads_shape: tupl
             f"attn_mask must broadcast to the attention weights of shape {full_heads_shape} "
             f"(..., H, T, S); got attn_mask.shape={mask.shape}"
         )
-    if kind == "f":
-        if np.isnan(mask).any() or np.isposinf(mask).any():
-            raise ValueError("attn_mask as a float bias must not contain NaN or +inf")
-        return None, mask
-    return mask, None
+    if kind == "b":
+        return mask, None, 0.0
+    if mask.size == 0:
+        return None, mask.astype(work_dtype), 0.0
+    hi, lo = mask.max(), mask.min()  # NaN if the mask holds a NaN
+    if np.isnan(hi) or hi == np.inf:
+        raise ValueError(
+            "attn_mask as a float bias must not contain NaN or +inf; got "
+            + ("NaN" if np.isnan(hi) else "+inf")
+        )
+    if lo == -np.inf:  # -inf disallows; the bound is over the finite entries
+        finite = mask[np.isfinite(mask)]
+        lo = finite.min() if finite.size else 0.0
+        hi = finite.max() if finite.size else 0.0
+    if max(-float(lo), float(hi)) > float(np.finfo(work_dtype).max):
+        worst = float(lo) if -float(lo) > float(hi) else float(hi)
+        raise range_error(
+            "attn_mask", work_dtype, worst, ", the dtype the scores are computed in",
+            " (use -inf to disallow a key)",
+        )
+    return None, mask.astype(work_dtype, copy=False), max(-float(lo), float(hi))
+
+
+def _finite_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, float]:
+    """``(x with non-finite rows zeroed, bad rows or None, largest row norm)`` of ``(..., L, D)``.
+
+    The sum of squares of each row is one pass over ``x``; when every sum is finite, ``x`` holds
+    no NaN or inf and the norms are known. Otherwise the rows are examined entry by entry, and
+    the norms recomputed in float64 (a float32 square can overflow where the float64 does not).
+    """
+    squares = np.einsum("...d,...d->...", x, x)  # (..., L)
+    if np.isfinite(squares).all():
+        return x, None, float(np.sqrt(squares.max())) if squares.size else 0.0
+    bad = ~np.isfinite(x).all(axis=-1)  # (..., L)
+    if bad.any():
+        x = np.where(bad[..., None], x.dtype.type(0), x)
+    else:
+        bad = None
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        squares = np.einsum("...d,...d->...", x64, x64)
+    return x, bad, float(np.sqrt(squares.max())) if squares.size else 0.0
+
+
+def _may_overflow(scale: float, q_norm: float, k_norm: float, bias_bound: float, dtype) -> bool:
+    """Whether a score, or an intermediate of the tiled path, could overflow ``dtype``.
+
+    By Cauchy-Schwarz every partial sum of ``scale * q . k`` is at most ``b = scale |q| |k|``
+    in magnitude; the tiled path also subtracts a running maximum, at most ``b + bias_bound``.
+    Rounding to nearest overflows only beyond ``max + ulp(max) / 2``, which leaves room even
+    for a bias of ``finfo.min`` (the Hugging Face convention).
+    """
+    finfo = np.finfo(dtype)
+    limit = float(finfo.max)
+    top_ulp = limit - float(np.nextafter(finfo.max, finfo.dtype.type(0)))
+    room = (limit - bias_bound) + top_ulp / 4
+    b = scale * q_norm * k_norm
+    return not (scale * q_norm < limit / 2 and 2 * b * (1 + 1e-6) < room)
 
 
 def prepare_attention(
@@ -139,9 +212,9 @@ def prepare_attention(
     window=None,
 ) -> AttentionProblem:
     """Validate an attention call and normalise it into an :class:`AttentionProblem`."""
-    q = as_float_array(query, "query")
-    k = as_float_array(key, "key")
-    v = as_float_array(value, "value")
+    q = as_float_array(query, "query", masked_hint=ATTENTION_MASK_HINT)
+    k = as_float_array(key, "key", masked_hint=ATTENTION_MASK_HINT)
+    v = as_float_array(value, "value", masked_hint=ATTENTION_MASK_HINT)
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
             raise ValueError(
@@ -153,10 +226,8 @@ def prepare_attention(
         raise _shape_error(
             "key and value must share the sequence length S (axis -2)", key=k, value=v
         )
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool; got {is_causal!r}")
-    if not isinstance(enable_gqa, (bool, np.bool_)):
-        raise TypeError(f"enable_gqa must be a bool; got {enable_gqa!r}")
+    is_causal = check_bool(is_causal, "is_causal")
+    enable_gqa = check_bool(enable_gqa, "enable_gqa")
     alignment = check_alignment(causal_alignment)
     window = check_window(window)
     T, S, Dk, Dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
@@ -200,17 +271,30 @@ def prepare_attention(
             ) from None
         full_heads_shape = (*lead, T, S)
 
-    allowed, bias = _check_mask(attn_mask, (*lead, T, S), full_heads_shape)
     out_dtype, work_dtype = compute_dtype(q, k, v)
+    allowed, bias, bias_bound = _check_mask(attn_mask, full_heads_shape, work_dtype)
+    scale = check_scale(scale, Dk)
+    if abs(scale) > float(np.finfo(work_dtype).max):
+        raise ValueError(
+            f"scale must fit in {work_dtype}, the dtype the scores are computed in; got {scale!r}"
+        )
     q, k, v = (a.astype(work_dtype, copy=False) for a in (q, k, v))
-    if bias is not None:
-        bias = bias.astype(work_dtype, copy=False)
+    q, bad_query, q_norm = _finite_rows(q)
+    k, bad_key, k_norm = _finite_rows(k)
+    v, bad_value, _ = _finite_rows(v)
+    may_overflow = _may_overflow(abs(scale), q_norm, k_norm, bias_bound, work_dtype)
 
     if groups is not None:
         Hkv = k.shape[-3]
         q = q.reshape(*q.shape[:-3], Hkv, groups, T, Dk)
         k = k[..., None, :, :]  # (..., Hkv, 1, S, Dk)
         v = v[..., None, :, :]
+        if bad_query is not None:
+            bad_query = bad_query.reshape(*bad_query.shape[:-2], Hkv, groups, T)
+        if bad_key is not None:
+            bad_key = bad_key[..., None, :]
+        if bad_value is not None:
+            bad_value = bad_value[..., None, :]
         allowed = _group_mask(allowed, Hkv, groups)
         bias = _group_mask(bias, Hkv, groups)
         batch_shape = (*lead, Hkv, groups)
@@ -223,9 +307,9 @@ def prepare_attention(
         value=v,
         allowed=allowed,
         bias=bias,
-        scale=check_scale(scale, Dk),
+        scale=scale,
         offset=alignment_offset(T, S, alignment),
-        band=band_limits(bool(is_causal), window),
+        band=band_limits(is_causal, window),
         batch_shape=batch_shape,
         T=T,
         S=S,
@@ -234,6 +318,10 @@ def prepare_attention(
         out_dtype=out_dtype,
         work_dtype=work_dtype,
         groups=groups,
+        bad_query=bad_query,
+        bad_key=bad_key,
+        bad_value=bad_value,
+        may_overflow=may_overflow,
     )
 
 
@@ -257,20 +345,137 @@ def combined_allowed(problem: AttentionProblem) -> np.ndarray | None:
     return problem.allowed & band
 
 
+def overflow_error(problem: AttentionProblem) -> ValueError:
+    """The error for scores that overflow the working dtype although every input is finite."""
+    dtype = problem.work_dtype
+    limit = float(np.finfo(dtype).max)
+    wider = "" if dtype == np.float64 else ", or pass float64 inputs"
+    return ValueError(
+        f"query and key give scores scale * query @ key^T (+ attn_mask) beyond the range of "
+        f"{dtype} (|score| <= {limit:.4g}), where the softmax is undefined: scale query or "
+        f"key down{wider}"
+    )
+
+
+def overflow_checked(problem: AttentionProblem):
+    """Silence NumPy's overflow warnings where :func:`check_overflow` will raise instead."""
+    if problem.may_overflow:
+        return np.errstate(over="ignore", invalid="ignore")
+    return contextlib.nullcontext()
+
+
+def check_overflow(problem: AttentionProblem, raw: np.ndarray, allowed, bias) -> None:
+    """Raise :func:`overflow_error` if an allowed entry of ``raw`` scores is not finite.
+
+    ``raw = scale * q @ k^T + bias`` before masking, computed from finite inputs, so the only
+    legitimate non-finite entries are ``-inf`` from a ``-inf`` bias and disallowed entries.
+    """
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(raw)
+        if bias is not None:
+            bad &= ~(np.isneginf(raw) & np.isneginf(bias))
+        if allowed is not None:
+            bad &= allowed
+    if bad.any():
+        raise overflow_error(problem)
+
+
+def rows_reaching(problem: AttentionProblem, bad_keys: np.ndarray) -> np.ndarray:
+    """``(*batch_shape, T)`` bool: query rows that may attend at least one key flagged in
+    ``bad_keys`` (``(..., S)``), under the boolean mask and the causal/window band.
+
+    A float bias never protects a key (``NaN + -inf`` is NaN), as in PyTorch. Only the flagged
+    keys are examined, in chunks, so the memory stays far below one ``(T, S)`` matrix per head.
+    """
+    T, S = problem.T, problem.S
+    result = np.zeros((*problem.batch_shape, T), dtype=bool)
+    cols = np.flatnonzero(bad_keys.reshape(-1, S).any(axis=0)) if S else np.zeros(0, int)
+    step = max(1, (1 << 22) // max(1, result.size))
+    for c0 in range(0, cols.size, step):
+        j = cols[c0 : c0 + step]
+        hit = bad_keys[..., None, j]  # (..., 1, c)
+        if problem.allowed is not None:
+            allowed = np.broadcast_to(problem.allowed, (*problem.allowed.shape[:-1], S))
+            hit = hit & allowed[..., j]  # (..., T, c)
+        band = band_mask(np.arange(T), j, problem.offset, *problem.band)
+        if band is not None:
+            hit = hit & band
+        result |= np.any(hit, axis=-1)
+    return result
+
+
+def poisoned_rows(problem: AttentionProblem) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(score_rows, value_rows)``: the query rows that a non-finite input reaches.
+
+    ``score_rows`` (``(*batch_shape, T)`` bool, or None if there are none): rows whose query,
+    or a key they may attend, holds NaN or inf; their weights, log-sum-exp and output are NaN.
+    ``value_rows``: rows that may attend a value holding NaN or inf; their output is NaN.
+    """
+    score = value = None
+    if problem.bad_query is not None:
+        score = np.broadcast_to(problem.bad_query, (*problem.batch_shape, problem.T)).copy()
+    if problem.bad_key is not None:
+        reached = rows_reaching(problem, problem.bad_key)
+        score = reached if score is None else score | reached
+    if problem.bad_value is not None:
+        value = rows_reaching(problem, problem.bad_value)
+    return score, value
+
+
+def mark_poisoned(problem: AttentionProblem, out, lse, weights=None):
+    """Set to NaN the rows of ``out``, ``lse`` (and ``weights``) that a non-finite input reaches.
+
+    Returns the (possibly broadcast and copied) arrays.
+    """
+    score, value = poisoned_rows(problem)
+    if score is None and value is None:
+        return out, lse, weights
+    full = problem.batch_shape
+    out = np.array(np.broadcast_to(out, (*full, problem.T, problem.Dv)))
+    lse = np.array(np.broadcast_to(lse, (*full, problem.T)))
+    nan = problem.work_dtype.type(np.nan)
+    if score is not None:
+        lse[score] = nan
+        out[score] = nan
+        if weights is not None:
+            weights = np.array(np.broadcast_to(weights, problem.scores_shape))
+            weights[score] = nan
+    if value is not None:
+        out[value] = nan
+    return out, lse, weights
+
+
 def attention_reference(
-    problem: AttentionProblem, dropout_p: float = 0.0, rng: np.random.Generator | None = None
+    problem: AttentionProblem,
+    dropout_p: float = 0.0,
+    rng: np.random.Generator | None = None,
+    *,
+    mark: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The textbook formula on a prepared problem; returns ``(out, weights, lse)``.
 
     Works in ``problem.work_dtype`` and returns the grouped shapes; the caller casts and
     ungroups. Masked positions are *replaced* by ``-inf`` (not added to), so a NaN in a
-    masked-out key cannot reach the output.
+    masked-out key cannot reach the output. The rows that a non-finite input reaches are set
+    to NaN (:func:`mark_poisoned`) unless ``mark`` is False (the backward pass marks its own).
     """
-    q = problem.query * problem.work_dtype.type(problem.scale)  # (..., T, Dk), scaled once
-    scores = q @ np.swapaxes(problem.key, -1, -2)  # (..., T, Dk) @ (..., Dk, S) -> (..., T, S)
-    if problem.bias is not None:
-        scores = scores + problem.bias
+    n_scores = int(np.prod(problem.scores_shape, dtype=np.int64))
+    itemsize = problem.work_dtype.itemsize
+    need = n_scores * (3 * itemsize + (8 if dropout_p > 0.0 else 0))  # scores, weights, a copy
+    check_memory(
+        need,
+        f"the reference path's scores and weights of shape {problem.scores_shape} in "
+        f"{problem.work_dtype}",
+        "use implementation='tiled' (which never forms them) or smaller inputs",
+    )
+    with overflow_checked(problem):  # an overflow is an error raised below, not a warning
+        q = problem.query * problem.work_dtype.type(problem.scale)  # (..., T, Dk), scaled once
+        scores = q @ np.swapaxes(problem.key, -1, -2)  # (..., T, Dk) @ (..., Dk, S) -> (..., T, S)
+        if problem.bias is not None:
+            scores = scores + problem.bias
     allowed = combined_allowed(problem)
+    if problem.may_overflow:
+        check_overflow(problem, scores, allowed, problem.bias)
     if allowed is not None:
         scores = np.where(allowed, scores, problem.work_dtype.type(-np.inf))
     scores = np.broadcast_to(scores, problem.scores_shape)
@@ -281,7 +486,10 @@ def attention_reference(
         used = weights * keep / (1.0 - dropout_p) if dropout_p < 1.0 else np.zeros_like(weights)
         used = used.astype(problem.work_dtype, copy=False)
     out = used @ problem.value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
-    return out, weights, lse[..., 0]
+    lse = lse[..., 0]
+    if mark:
+        out, lse, weights = mark_poisoned(problem, out, lse, weights)
+    return out, weights, lse
 
 
 def scaled_dot_product_attention(
@@ -349,9 +557,13 @@ def scaled_dot_product_attention(
         ``"reference"`` evaluates the formula as written, holding the ``(..., T, S)`` scores.
         ``"tiled"`` is the memory-efficient path (the online softmax of FlashAttention-2, in
         tiles, on all cores): it never forms the scores, so it cannot return the weights or
-        apply dropout. ``"auto"`` takes the tiled path when neither is requested and the
-        problem is large enough for it to be faster, otherwise the reference path. Both give
-        the same result up to rounding.
+        apply dropout. ``"auto"`` takes the tiled path when neither is requested and a cost
+        model (``sdpa.tiled.estimated_times``: the scores, the head widths, and the number of
+        tiles and work units, each with its fixed cost) predicts it to be faster, or when the
+        reference path's ``(..., T, S)`` arrays would take more than a quarter of the
+        available memory; otherwise the reference path. Many small heads therefore stay on
+        the reference path however many scores they hold. Both give the same result up to
+        rounding.
 
     Returns
     -------
@@ -360,18 +572,25 @@ def scaled_dot_product_attention(
     weights : (..., Hq, T, S) np.ndarray
         Each row is non-negative and sums to one (zero for fully masked rows).
     lse : (..., Hq, T) np.ndarray
-        ``log(sum(exp(scores)))`` per query; ``-inf`` for fully masked rows.
+        ``log(sum(exp(scores)))`` per query; ``-inf`` for fully masked rows. float32 for
+        float16 inputs (as FlashAttention does), otherwise the dtype of ``out``.
 
     Raises
     ------
     TypeError
-        For complex or object inputs, an integer ``attn_mask``, a non-bool flag, or a missing or
-        wrong ``rng`` with dropout.
+        For complex, object or masked-array (``numpy.ma``) inputs, an integer ``attn_mask``,
+        a flag that is not a bool, an ``rng`` that is not a ``numpy.random.Generator``, or a
+        missing ``rng`` with dropout.
     ValueError
         For inputs with fewer than 2 dimensions, mismatched ``Dk`` or ``S``, batch or mask
         shapes that do not broadcast, head counts that do not divide, a bad ``window``,
-        ``causal_alignment``, ``dropout_p`` or ``implementation``, and for
-        ``implementation="tiled"`` together with ``return_weights`` or dropout.
+        ``causal_alignment``, ``dropout_p`` or ``implementation``, for
+        ``implementation="tiled"`` together with ``return_weights`` or dropout, for a float
+        mask holding NaN, ``+inf`` or a value beyond the working dtype's range, and for scores
+        that overflow the working dtype (see Notes).
+    MemoryError
+        When the reference path's ``(..., T, S)`` scores and weights would not fit in the
+        available memory (estimated before anything is allocated).
 
     Notes
     -----
@@ -383,13 +602,33 @@ def scaled_dot_product_attention(
     **Masks.** Boolean, causal and window masks *replace* disallowed scores by ``-inf``; float
     masks are *added*. A row in which every key is disallowed (including ``S = 0``) returns
     ``out = 0``, ``weights = 0`` and ``lse = -inf``, with no NaN and no warning, as PyTorch
-    does since 2.5. A NaN in a masked-out *key* is removed by the replacement; a NaN in a
-    masked-out *value* still propagates, because ``0 * nan`` is NaN in the final matrix
-    product.
+    does since 2.5. A large finite bias (``np.finfo(dtype).min``, the Hugging Face convention,
+    or ``-1e9``) is a bias like any other: a row whose every key carries it still gets a
+    proper softmax over those keys, on both paths.
+
+    **NaN and infinity (NaN in, NaN out).** A key or value that a boolean, causal or window
+    mask hides from a query never reaches that query's output, not even as a NaN: both paths
+    behave as if the hidden positions were absent (PyTorch's math path instead spreads a NaN
+    from a hidden value through ``0 * nan``). Otherwise a NaN or an infinity in a query row,
+    or in a key it may attend, makes that row's weights, ``lse`` and output NaN, and one in a
+    value it may attend makes its output NaN. A float mask does not hide: a NaN key under a
+    ``-inf`` bias still gives NaN (``nan + -inf``), as in PyTorch.
+
+    **Overflow.** The scores are computed in the working dtype. A score that is not finite
+    although query, key and mask are (``q = k = 1e200`` in float64) raises ``ValueError``
+    rather than returning a guess; so does a float mask value that the working dtype cannot
+    hold (``1e300`` with float32 inputs). The check costs nothing when the norms of query and
+    key bound every score, which is the case for all but extreme inputs.
 
     **Dtypes.** float16, float32 and float64 inputs give outputs of the same dtype (float16 is
-    computed in float32); mixed floating dtypes promote with ``np.result_type``; integer and
+    computed in float32, and its ``lse`` is returned in float32: scores above 65504 would
+    overflow float16); mixed floating dtypes promote with ``np.result_type``; integer and
     bool inputs are computed in float64. A float mask is cast to the working dtype.
+
+    **Memory.** The reference path holds about three arrays of the ``(..., T, S)`` scores'
+    size; the tiled path a few tiles per thread. Before a reference-path call that needs more
+    than 64 MiB, the estimate is compared with the memory available (``MemAvailable`` on
+    Linux) and a ``MemoryError`` names the shape and the bytes instead of swapping.
 
     **Differences from PyTorch, on purpose.** ``is_causal`` may be combined with ``attn_mask``
     (PyTorch raises; JAX allows); integer inputs are accepted (PyTorch raises); dropout needs
@@ -429,6 +668,10 @@ def scaled_dot_product_attention(
     True
     """
     dropout_p = check_probability(dropout_p, "dropout_p")
+    return_weights = check_bool(return_weights, "return_weights")
+    return_lse = check_bool(return_lse, "return_lse")
+    if rng is not None:
+        check_rng(rng)
     if implementation not in ("auto", "reference", "tiled"):
         raise ValueError(
             f"implementation must be 'auto', 'reference' or 'tiled'; got {implementation!r}"
@@ -439,12 +682,10 @@ def scaled_dot_product_attention(
             f"return_weights=True nor dropout; got return_weights={return_weights}, "
             f"dropout_p={dropout_p}"
         )
-    if dropout_p > 0.0:
-        if rng is None:  # a missing generator is the wrong kind (None), as the docstring says
-            raise TypeError(
-                f"dropout_p={dropout_p} > 0 needs an explicit rng=np.random.default_rng(seed)"
-            )
-        check_rng(rng)
+    if dropout_p > 0.0 and rng is None:  # a missing generator is the wrong kind (None)
+        raise TypeError(
+            f"dropout_p={dropout_p} > 0 needs an explicit rng=np.random.default_rng(seed)"
+        )
     problem = prepare_attention(
         query,
         key,
@@ -479,7 +720,7 @@ def _finish(problem, out, weights, lse, return_weights, return_lse):
     if return_weights:
         weights = problem.ungroup(np.broadcast_to(weights, problem.scores_shape), 2)
         result.append(weights.astype(problem.out_dtype))
-    if return_lse:
+    if return_lse:  # float16 inputs: float32, since float16 overflows beyond 65504
         lse = problem.ungroup(np.broadcast_to(lse, (*full, problem.T)), 1)
-        result.append(lse.astype(problem.out_dtype))
+        result.append(lse.astype(lse_dtype(problem.out_dtype)))
     return tuple(result)

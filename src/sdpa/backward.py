@@ -30,15 +30,21 @@ from __future__ import annotations
 
 import os
 import threading
-from numbers import Integral
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import attention as _attention
 from . import tiled as _tiled
-from ._checks import as_float_array
-from .attention import AttentionProblem, combined_allowed, prepare_attention
+from ._checks import ATTENTION_MASK_HINT, as_float_array, check_positive_int, check_range
+from .attention import (
+    AttentionProblem,
+    check_overflow,
+    combined_allowed,
+    overflow_checked,
+    poisoned_rows,
+    prepare_attention,
+)
 
 __all__ = ["scaled_dot_product_attention_backward"]
 
@@ -46,9 +52,16 @@ IMPLEMENTATIONS = ("auto", "reference", "tiled")
 
 # Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, half the 512 KiB level-2
 # cache of one core of the machine they were chosen on (AMD EPYC, Zen 3). "auto" tiles exactly
-# when the forward pass would (sdpa.tiled.worth_tiling, which counts the scores of all heads).
+# when the forward pass would (sdpa.tiled.worth_tiling, its cost model of both paths).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
+
+# The weights are rebuilt as P = exp(scores - lse). The rounding of a stored lse is an error in
+# every exponent, of up to half a unit in its last place: negligible while |lse| is small, but
+# at |lse| = 1e4 in float32 it is 5e-4, and at lse = finfo.min (a row whose every key carries
+# the bias finfo.min) it swallows log(l) entirely. Rows with |lse| above this limit use the
+# forward pass's two parts instead, P = exp(scores - m) / l (recomputed if only lse is given).
+LSE_EXACT_LIMIT = 64.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,14 +91,28 @@ def _grouped(problem: AttentionProblem, x: np.ndarray, trailing: int) -> np.ndar
 
 
 def _check_result(x, name: str, problem: AttentionProblem, trailing: tuple[int, ...], what: str):
-    arr = as_float_array(x, name)
+    """A forward result or upstream gradient, grouped, in the working dtype; NaN rows zeroed.
+
+    Returns ``(array, bad_rows)``: ``bad_rows`` (``(*batch_shape, T)`` bool, or None) flags the
+    query rows holding NaN or inf (for ``lse``: NaN or ``+inf``; ``-inf`` marks a fully masked
+    row). Those rows are replaced by zeros, and the caller makes their gradients NaN.
+    """
+    arr = as_float_array(x, name, masked_hint=ATTENTION_MASK_HINT)
     expected = _full_shape(problem, trailing)
     if arr.shape != expected:
         raise ValueError(
             f"{name} must have the shape of the forward pass's {what}, {expected}; "
             f"got {name}.shape={arr.shape}"
         )
-    return _grouped(problem, arr.astype(problem.work_dtype, copy=False), len(trailing))
+    check_range(arr, problem.work_dtype, name, ", the dtype the gradients are computed in")
+    arr = _grouped(problem, arr.astype(problem.work_dtype, copy=False), len(trailing))
+    bad = np.isnan(arr) | np.isposinf(arr) if trailing == (problem.T,) else ~np.isfinite(arr)
+    if len(trailing) == 2:
+        bad = bad.any(axis=-1)
+    if not bad.any():
+        return arr, None
+    fill = bad if len(trailing) == 1 else bad[..., None]
+    return np.where(fill, arr.dtype.type(0), arr), bad
 
 
 def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -120,9 +147,33 @@ def _weights_from_lse(scores: np.ndarray, lse: np.ndarray) -> np.ndarray:
     return p
 
 
+def _inexact_lse(lse: np.ndarray) -> np.ndarray:
+    """Rows whose stored ``lse`` is too large for ``exp(scores - lse)`` to be exact."""
+    return np.isfinite(lse) & (np.abs(lse) > LSE_EXACT_LIMIT)
+
+
 # --------------------------------------------------------------------------------------------
 # The two implementations (on a prepared problem, in the working dtype, grouped shapes)
 # --------------------------------------------------------------------------------------------
+
+
+def _raw_scores(problem: AttentionProblem, q_scaled, k, t0, t1, s0, s1):
+    """``scale * q k^T + bias`` on queries ``t0:t1`` and keys ``s0:s1``, checked for overflow
+    when that is possible, and with disallowed entries set to ``-inf``."""
+    bias = _block(problem.bias, t0, t1, s0, s1)
+    with overflow_checked(problem):  # an overflow is an error raised below, not a warning
+        scores = q_scaled[..., t0:t1, :] @ np.swapaxes(k[..., s0:s1, :], -1, -2)  # (..., Bq, Bk)
+        if bias is not None:
+            scores = scores + bias
+    allowed = _block(problem.allowed, t0, t1, s0, s1)
+    band = problem.band_mask(t0, t1, s0, s1)
+    if band is not None:
+        allowed = band if allowed is None else allowed & band
+    if problem.may_overflow:
+        check_overflow(problem, scores, allowed, bias)
+    if allowed is not None:
+        scores = np.where(allowed, scores, problem.work_dtype.type(-np.inf))
+    return scores
 
 
 def backward_reference(
@@ -135,20 +186,20 @@ def backward_reference(
 
     ``d_out`` and ``out`` are ``(*batch, T, Dv)``, ``lse`` is ``(*batch, T)`` in the grouped
     layout and working dtype. Without ``out`` and ``lse`` the forward pass is recomputed;
-    with them only the weights are, from ``lse``. The results still carry every broadcast
-    dimension; the caller sums them back to the inputs' shapes.
+    with them only the weights are, from ``lse`` (or by the softmax itself when a row's
+    ``lse`` is too large to be exact, see ``LSE_EXACT_LIMIT``). The results still carry every
+    broadcast dimension; the caller sums them back to the inputs' shapes.
     """
     q, k, v = problem.query, problem.key, problem.value
     scale = problem.work_dtype.type(problem.scale)
     if out is None:
-        out, weights, lse = _attention.attention_reference(problem)
+        out, weights, lse = _attention.attention_reference(problem, mark=False)
+    elif _inexact_lse(lse).any():
+        weights = _attention.attention_reference(problem, mark=False)[1]
     else:
-        scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., T, Dk) @ (..., Dk, S) -> (..., T, S)
-        if problem.bias is not None:
-            scores = scores + problem.bias
-        allowed = combined_allowed(problem)
-        if allowed is not None:
-            scores = np.where(allowed, scores, problem.work_dtype.type(-np.inf))
+        with overflow_checked(problem):
+            q_scaled = q * scale
+        scores = _raw_scores(problem, q_scaled, k, 0, problem.T, 0, problem.S)
         weights = _weights_from_lse(scores, lse)  # (..., T, S)
     d_v = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
     d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
@@ -165,6 +216,8 @@ def backward_tiled(
     out: np.ndarray,
     lse: np.ndarray,
     *,
+    m: np.ndarray | None = None,
+    ell: np.ndarray | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     num_threads: int = 1,
@@ -176,21 +229,40 @@ def backward_tiled(
     entirely are skipped. With ``num_threads > 1`` the key/value tiles are shared out among
     worker threads, each with its own ``d_q`` accumulator (summed at the end) and BLAS held to
     one thread. Same arguments and results as :func:`backward_reference`, except that ``out``
-    and ``lse`` are required.
+    and ``lse`` are required; ``m`` and ``ell`` (from ``attention_tiled(return_stats=True)``)
+    are the two parts of ``lse``, used for the rows where ``lse`` alone is not exact (they are
+    recomputed when needed and not given).
     """
     q, k, v = problem.query, problem.key, problem.value
     dtype = problem.work_dtype
     scale = dtype.type(problem.scale)
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     batch = problem.batch_shape
-    q_scaled = q * scale  # (..., T, Dk): scaled once, as the forward pass does
+    with overflow_checked(problem):
+        q_scaled = q * scale  # (..., T, Dk): scaled once, as the forward pass does
     D = np.sum(d_out * out, axis=-1)  # (*batch, T): rowsum(dO * O)
-    lse_shift = np.where(np.isneginf(lse), 0, lse).astype(dtype, copy=False)  # (*batch, T)
+    # P = exp(scores - shift) * inv_l: shift = lse, inv_l = 1 for most rows; shift = m and
+    # inv_l = 1 / l for rows whose lse is too large to be exact.
+    inexact = _inexact_lse(lse)
+    if inexact.any():
+        if m is None:
+            _, _, m, ell = _tiled.attention_tiled(problem, return_stats=True, mark=False)
+        m = np.broadcast_to(m, (*batch, T))
+        ell = np.broadcast_to(ell, (*batch, T))
+        shift = np.where(inexact, m, lse)
+        inv_l = np.ones((*batch, T), dtype=dtype)
+        np.divide(1, ell, out=inv_l, where=inexact & (ell > 0))
+    else:
+        shift, inv_l = lse, None
+    shift = np.where(np.isneginf(shift), 0, shift).astype(dtype, copy=False)  # (*batch, T)
     d_k = np.zeros((*batch, S, Dk), dtype=dtype)
     d_v = np.zeros((*batch, S, Dv), dtype=dtype)
-    neg_inf = dtype.type(-np.inf)
 
     def key_tile(s0: int, d_q: np.ndarray) -> None:
+        with np.errstate(over="ignore"):  # scores - shift may overflow to -inf: P = 0
+            key_tile_rows(s0, d_q)
+
+    def key_tile_rows(s0: int, d_q: np.ndarray) -> None:
         s1 = min(s0 + block_k, S)
         k_tile = k[..., s0:s1, :]  # (..., Bk, Dk)
         v_tile = v[..., s0:s1, :]  # (..., Bk, Dv)
@@ -201,16 +273,11 @@ def backward_tiled(
             band = problem.band_mask(t0, t1, s0, s1)  # (Bq, Bk) or None
             if band is not None and not band.any():
                 continue  # the whole tile is outside the causal/window band
-            allowed = _block(problem.allowed, t0, t1, s0, s1)
-            if band is not None:
-                allowed = band if allowed is None else allowed & band
-            scores = q_scaled[..., t0:t1, :] @ np.swapaxes(k_tile, -1, -2)  # (..., Bq, Bk)
-            if problem.bias is not None:
-                scores = scores + _block(problem.bias, t0, t1, s0, s1)
-            if allowed is not None:
-                scores = np.where(allowed, scores, neg_inf)
-            p = scores - lse_shift[..., t0:t1, None]  # (*batch, Bq, Bk)
+            scores = _raw_scores(problem, q_scaled, k, t0, t1, s0, s1)  # (*batch, Bq, Bk)
+            p = scores - shift[..., t0:t1, None]
             np.exp(p, out=p)  # P recomputed from lse: no (T, S) matrix is ever stored
+            if inv_l is not None and inexact[..., t0:t1].any():
+                p *= inv_l[..., t0:t1, None]
             d_out_tile = d_out[..., t0:t1, :]  # (*batch, Bq, Dv)
             d_v_tile += np.swapaxes(p, -1, -2) @ d_out_tile  # (..., Bk, Bq) @ (..., Bq, Dv)
             d_p = d_out_tile @ np.swapaxes(v_tile, -1, -2)  # (..., Bq, Dv) @ (..., Dv, Bk)
@@ -257,25 +324,42 @@ def _run_threaded(task, starts, num_threads, d_q_shape, dtype) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_block(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be a positive integer; got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    return int(value)
-
-
 def _worth_tiling(problem: AttentionProblem) -> bool:
     """Whether ``implementation="auto"`` tiles: the forward pass's own rule, so both agree."""
     return _tiled.worth_tiling(problem)
 
 
-def _forward_for_backward(problem: AttentionProblem, tiled: bool):
-    """``(out, lse)`` of the forward pass in the working dtype and grouped layout."""
-    if tiled:
-        return _tiled.attention_tiled(problem)  # O(T + S) memory per head, like the backward
-    out, _, lse = _attention.attention_reference(problem)
-    return out, lse
+def _keys_reached(problem: AttentionProblem, rows: np.ndarray) -> np.ndarray:
+    """``(*batch_shape, S)`` bool: keys that at least one of the flagged query ``rows`` may
+    attend (boolean mask and band; a float bias never protects a key). In chunks of keys."""
+    T, S = problem.T, problem.S
+    result = np.zeros((*problem.batch_shape, S), dtype=bool)
+    step = max(1, (1 << 22) // max(1, rows.size))
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        hit = np.broadcast_to(rows[..., None], (*rows.shape, s1 - s0))  # (..., T, c)
+        allowed = _block(problem.allowed, 0, T, s0, s1)
+        if allowed is not None:
+            hit = hit & allowed
+        band = problem.band_mask(0, T, s0, s1)
+        if band is not None:
+            hit = hit & band
+        result[..., s0:s1] = np.any(hit, axis=-2)
+    return result
+
+
+def _mark_gradients(problem, d_q, d_k, d_v, rows):
+    """NaN in, NaN out: a query row that a non-finite input reaches gets a NaN ``d_q`` row, and
+    every key it may attend gets NaN ``d_k`` and ``d_v`` rows (before the broadcast sums)."""
+    nan = problem.work_dtype.type(np.nan)
+    d_q = np.array(np.broadcast_to(d_q, (*problem.batch_shape, problem.T, problem.Dk)))
+    d_q[rows] = nan
+    keys = _keys_reached(problem, rows)
+    d_k = np.array(np.broadcast_to(d_k, (*problem.batch_shape, problem.S, problem.Dk)))
+    d_v = np.array(np.broadcast_to(d_v, (*problem.batch_shape, problem.S, problem.Dv)))
+    d_k[keys] = nan
+    d_v[keys] = nan
+    return d_q, d_k, d_v
 
 
 def scaled_dot_product_attention_backward(
@@ -314,13 +398,13 @@ def scaled_dot_product_attention_backward(
         The forward output.
     lse : (..., Hq, T) array_like, optional
         The forward log-sum-exp (``return_lse=True``). Give ``out`` and ``lse`` together and the
-        forward pass is not recomputed; the weights are rebuilt from ``lse`` instead.
+        forward pass is not recomputed; the weights are rebuilt from ``lse`` instead (except
+        for rows with ``|lse| > 64``, see Notes).
     implementation : {"auto", "reference", "tiled"}, default "auto"
         ``"reference"`` holds the whole ``(..., T, S)`` weight matrix; ``"tiled"`` (the
         FlashAttention-2 backward) recomputes it tile by tile from ``lse`` and needs memory
         proportional to ``T + S`` per head; ``"auto"`` tiles exactly when the forward pass
-        would (``sdpa.tiled.worth_tiling``: a score matrix of at least
-        ``sdpa.tiled.MIN_TILED_SCORES`` entries over all heads).
+        would (``sdpa.tiled.worth_tiling``).
     block_q, block_k : int, optional
         Tile sizes ``Bq`` and ``Bk`` of the tiled path (default 128 and 256).
     num_threads : int, optional
@@ -341,8 +425,11 @@ def scaled_dot_product_attention_backward(
         As the forward pass; also for a non-integer tile size or thread count.
     ValueError
         As the forward pass; also if ``d_out``, ``out`` or ``lse`` does not have the forward
-        result's shape, if only one of ``out`` and ``lse`` is given, or for an unknown
-        ``implementation`` or a non-positive tile size or thread count.
+        result's shape or holds a value beyond the working dtype's range, if only one of
+        ``out`` and ``lse`` is given, or for an unknown ``implementation`` or a non-positive
+        tile size or thread count.
+    MemoryError
+        As the forward pass, for the reference path.
 
     Notes
     -----
@@ -359,12 +446,26 @@ def scaled_dot_product_attention_backward(
 
     **Masks** are constants: a float mask (bias) receives no gradient. Masked positions have
     ``P = 0`` and pass no gradient; fully masked rows (``lse = -inf``) give zero gradients, not
-    NaN. A NaN in a masked-out key or value still reaches ``d_query`` through ``0 * nan``.
+    NaN.
+
+    **NaN in, NaN out.** A query row that a NaN or infinity reaches in the forward pass (see
+    :func:`sdpa.scaled_dot_product_attention`), or whose ``d_out``, ``out`` or ``lse`` holds
+    one, gets a NaN row of ``d_query``, and every key it may attend gets NaN rows of ``d_key``
+    and ``d_value``. Keys and values hidden from it by a boolean, causal or window mask are
+    untouched, on both paths.
+
+    **Exact weights from lse.** ``P = exp(scores - lse)`` inherits the rounding of ``lse`` in
+    every exponent: half a unit in its last place, negligible for ``|lse| <= 64`` but 5e-4 at
+    ``lse = 1e4`` in float32, and everything at ``lse = finfo.min`` (a row whose keys all carry
+    that bias). Rows beyond 64 therefore use the forward pass's maximum and sum separately,
+    ``P = exp(scores - m) / l`` (recomputed when only ``lse`` is given), so the gradients are
+    as exact as the reference path's whatever the bias.
 
     **Dropout** is not supported: this is the gradient of the call with ``dropout_p = 0``.
 
-    **Dtypes.** Computed in the forward pass's working dtype (float16 in float32). A float16
-    ``lse`` has lost precision; pass a float32 one or let the function recompute it.
+    **Dtypes.** Computed in the forward pass's working dtype (float16 in float32). The forward
+    pass returns a float32 ``lse`` for float16 inputs; pass that one (a float16 ``lse``
+    overflows beyond 65504 and has lost precision).
 
     Examples
     --------
@@ -404,12 +505,12 @@ def scaled_dot_product_attention_backward(
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}"
         )
-    block_q = DEFAULT_BLOCK_Q if block_q is None else _check_block(block_q, "block_q")
-    block_k = DEFAULT_BLOCK_K if block_k is None else _check_block(block_k, "block_k")
+    block_q = DEFAULT_BLOCK_Q if block_q is None else check_positive_int(block_q, "block_q")
+    block_k = DEFAULT_BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
     if num_threads is None:
         num_threads = min(2, os.cpu_count() or 1)
     else:
-        num_threads = _check_block(num_threads, "num_threads")
+        num_threads = check_positive_int(num_threads, "num_threads")
     if (out is None) != (lse is None):
         given, missing = ("out", "lse") if lse is None else ("lse", "out")
         raise ValueError(
@@ -428,23 +529,33 @@ def scaled_dot_product_attention_backward(
         window=window,
     )
     T, S, Dv = problem.T, problem.S, problem.Dv
-    d_out = _check_result(d_out, "d_out", problem, (T, Dv), "output (..., Hq, T, Dv)")
+    full = problem.batch_shape
+    d_out, bad = _check_result(d_out, "d_out", problem, (T, Dv), "output (..., Hq, T, Dv)")
+    bad_rows = [bad]
     if out is not None:
-        out = _check_result(out, "out", problem, (T, Dv), "output (..., Hq, T, Dv)")
-        lse = _check_result(lse, "lse", problem, (T,), "log-sum-exp (..., Hq, T)")
+        out, bad = _check_result(out, "out", problem, (T, Dv), "output (..., Hq, T, Dv)")
+        bad_rows.append(bad)
+        lse, bad = _check_result(lse, "lse", problem, (T,), "log-sum-exp (..., Hq, T)")
+        bad_rows.append(bad)
+    bad_rows.extend(poisoned_rows(problem))  # rows that a non-finite query, key or value reaches
 
     if implementation == "auto":  # the forward pass's rule, so both passes agree
         implementation = "tiled" if _worth_tiling(problem) else "reference"
     if implementation == "reference":
         d_q, d_k, d_v = backward_reference(problem, d_out, out, lse)
     else:
-        if out is None:
-            out, lse = _forward_for_backward(problem, tiled=True)
-            out = np.broadcast_to(out, (*problem.batch_shape, T, Dv))
-            lse = np.broadcast_to(lse, (*problem.batch_shape, T))
+        m = ell = None
+        if out is None:  # O(T + S) memory per head, like the backward
+            out, lse, m, ell = _tiled.attention_tiled(problem, return_stats=True, mark=False)
+        out = np.broadcast_to(out, (*full, T, Dv))
+        lse = np.broadcast_to(lse, (*full, T))
         d_q, d_k, d_v = backward_tiled(
-            problem, d_out, out, lse, block_q=block_q, block_k=block_k, num_threads=num_threads
+            problem, d_out, out, lse, m=m, ell=ell, block_q=block_q, block_k=block_k,
+            num_threads=num_threads,
         )
+    rows = [np.broadcast_to(r, (*full, T)) for r in bad_rows if r is not None]
+    if rows:
+        d_q, d_k, d_v = _mark_gradients(problem, d_q, d_k, d_v, np.logical_or.reduce(rows))
 
     results = []
     for grad, grouped, original in (

@@ -20,6 +20,8 @@ from numbers import Integral, Real
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ._checks import as_array, check_bool, check_rng
+
 __all__ = ["gradcheck", "numerical_gradient"]
 
 
@@ -37,14 +39,16 @@ def _check_eps(eps) -> float:
 
 
 def _as_args(args) -> list[np.ndarray]:
-    if isinstance(args, np.ndarray) or not isinstance(args, (tuple, list)):
+    """A list of float64 copies; a single array (or number) is one argument, as in torch."""
+    if isinstance(args, (np.ndarray, np.generic, Real)) and not isinstance(args, bool):
+        args = (args,)
+    if not isinstance(args, (tuple, list)):
         raise TypeError(
-            f"args must be a tuple or list of arrays, e.g. (x,) for one argument; "
-            f"got {type(args).__name__}"
+            f"args must be an array or a tuple or list of arrays; got {type(args).__name__}"
         )
     arrays = []
     for i, a in enumerate(args):
-        arr = np.asarray(a)
+        arr = as_array(a, f"args[{i}]", masked_hint="pass plain arrays")
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"args[{i}] must be a real array; got dtype {arr.dtype}")
         arrays.append(np.array(arr, dtype=np.float64))  # a float64 copy: inputs are never touched
@@ -86,8 +90,9 @@ def numerical_gradient(
         A function of arrays returning a real array (or scalar). It is called ``2 n + 1``
         times, ``n`` the number of entries of the differentiated arguments, with float64
         copies of ``args`` (the arrays passed in are never modified).
-    args : tuple of array_like
-        The point at which to differentiate.
+    args : array_like or tuple of array_like
+        The point at which to differentiate: one array, or a tuple or list with one array per
+        argument of ``f`` (as ``torch.autograd.gradcheck`` takes ``inputs``).
     d_out : array_like, optional
         The cotangent: an array of ``f``'s result shape. Default: ones, so that ``L`` is the
         sum of ``f`` (or ``f`` itself when it returns a scalar).
@@ -104,7 +109,7 @@ def numerical_gradient(
     Raises
     ------
     TypeError
-        If ``f`` is not callable, ``args`` is not a tuple or list of real arrays, or
+        If ``f`` is not callable, ``args`` is not a real array or a tuple or list of them, or
         ``argnums`` or ``eps`` is of the wrong kind.
     ValueError
         If ``eps`` is not positive, an ``argnums`` entry is out of range, or ``d_out`` does not
@@ -117,7 +122,7 @@ def numerical_gradient(
 
     >>> import numpy as np
     >>> from sdpa import numerical_gradient
-    >>> (g,) = numerical_gradient(lambda x: np.sum(x**2), (np.array([1.0, -2.0, 3.0]),))
+    >>> (g,) = numerical_gradient(lambda x: np.sum(x**2), np.array([1.0, -2.0, 3.0]))
     >>> np.round(g, 6)
     array([ 2., -4.,  6.])
     >>> a, b, c = np.eye(2), np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[1.0, 0.0], [0.0, 0.0]])
@@ -134,7 +139,7 @@ def numerical_gradient(
     if d_out is None:
         cotangent = np.ones(result_shape)
     else:
-        cotangent = np.asarray(d_out, dtype=np.float64)
+        cotangent = as_array(d_out, "d_out").astype(np.float64)
         if cotangent.shape != result_shape:
             raise ValueError(
                 f"d_out must have the shape of f's result, {result_shape}; "
@@ -186,9 +191,9 @@ def gradcheck(
         The backward function under test, ``vjp(d_out, *args) -> grads``: the gradients of
         ``sum(d_out * f(*args))`` with respect to the arguments selected by ``argnums``, in
         that order (a single array is accepted when one argument is selected).
-    args : tuple of array_like
-        The point at which to check. Use float64 values: finite differences in float32 are
-        too coarse to check anything.
+    args : array_like or tuple of array_like
+        The point at which to check: one array, or one per argument of ``f``. Use float64
+        values: finite differences in float32 are too coarse to check anything.
     d_out : array_like, optional
         The cotangent. Default: standard normal numbers from ``rng``, which exercise every
         output entry with a different weight (a cotangent of ones can hide errors that
@@ -200,7 +205,8 @@ def gradcheck(
     atol, rtol : float, default 1e-8 and 1e-6
         Each entry must satisfy ``|analytic - numeric| <= atol + rtol * |numeric|``.
     rng : numpy.random.Generator, optional
-        Source of the default cotangent; default ``np.random.default_rng(0)``.
+        Source of the default cotangent; default ``np.random.default_rng(0)``. Checked even
+        when ``d_out`` is given.
     raise_exception : bool, default True
         Raise ``AssertionError`` on a mismatch (with the worst entry) instead of returning
         False.
@@ -215,8 +221,10 @@ def gradcheck(
     AssertionError
         On a mismatch, when ``raise_exception`` is True.
     TypeError, ValueError
-        As :func:`numerical_gradient`; ``ValueError`` also if ``vjp`` returns the wrong number
-        of gradients or a gradient of the wrong shape.
+        As :func:`numerical_gradient`; ``TypeError`` also if ``raise_exception`` is not a bool
+        or ``rng`` not a ``numpy.random.Generator`` (checked even when ``d_out`` is given),
+        ``ValueError`` if ``vjp`` returns the wrong number of gradients or a gradient of the
+        wrong shape.
 
     Examples
     --------
@@ -241,6 +249,8 @@ def gradcheck(
     """
     _check_callable(f, "f")
     _check_callable(vjp, "vjp")
+    raise_exception = check_bool(raise_exception, "raise_exception")
+    rng = np.random.default_rng(0) if rng is None else check_rng(rng)
     for name, value in (("atol", atol), ("rtol", rtol)):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
             raise TypeError(f"{name} must be a non-negative real number; got {value!r}")
@@ -250,9 +260,6 @@ def gradcheck(
     argnums = _check_argnums(argnums, len(arrays))
     result_shape = np.shape(f(*arrays))
     if d_out is None:
-        rng = np.random.default_rng(0) if rng is None else rng
-        if not isinstance(rng, np.random.Generator):
-            raise TypeError(f"rng must be a numpy.random.Generator; got {type(rng).__name__}")
         d_out = rng.standard_normal(result_shape)
     numeric = numerical_gradient(f, arrays, d_out, argnums=argnums, eps=eps)
     analytic = vjp(np.asarray(d_out, dtype=np.float64), *[a.copy() for a in arrays])

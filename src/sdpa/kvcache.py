@@ -19,17 +19,18 @@ from numbers import Integral
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_float_array, check_nonneg_int
+from ._checks import (
+    ATTENTION_MASK_HINT,
+    as_float_array,
+    check_bool,
+    check_float_dtype,
+    check_nonneg_int,
+    check_positive_int,
+    check_range,
+)
 from .attention import scaled_dot_product_attention
 
 __all__ = ["KVCache"]
-
-
-def _positive_int(value, name: str) -> int:
-    value = check_nonneg_int(value, name)
-    if value == 0:
-        raise ValueError(f"{name} must be a positive integer; got 0")
-    return value
 
 
 class KVCache:
@@ -54,15 +55,17 @@ class KVCache:
     batch_size : int, default 1
         ``B``.
     dtype : floating dtype, default float64
-        Storage dtype. Appended keys and values are converted to it (so a float16 cache halves
-        the memory of a float32 model's cache, at float16 precision).
+        Storage dtype: float16, float32 or float64 (None is refused rather than read as
+        float64). Appended keys and values are converted to it (so a float16 cache halves the
+        memory of a float32 model's cache, at float16 precision); a finite value beyond its
+        range (above 65504 in float16) is a ``ValueError``, never a stored ``inf``.
     capacity : int, default 16
         Initial room per layer, in tokens. Buffers are allocated at the first append to a layer.
 
     Raises
     ------
     TypeError
-        If a size is not an integer, or ``dtype`` is not a floating dtype.
+        If a size is not an integer, or ``dtype`` is not a floating dtype (None included).
     ValueError
         If a size is not positive (``n_layers``, ``n_kv_heads``, ``batch_size``, ``capacity``)
         or negative (``head_dim``, ``value_dim``).
@@ -79,8 +82,10 @@ class KVCache:
     (``Hkv = 1``) by ``Hq``.
 
     **Views.** :meth:`keys`, :meth:`values` and :meth:`append` return read-only views of the
-    filled part of the buffers, not copies. They stay valid (and unchanged) after later appends,
-    because a full buffer is replaced, never resized in place.
+    filled part of the buffers, not copies, and a view never changes afterwards: appends write
+    past the positions it shows, a full buffer is replaced rather than resized in place, and
+    an append after :meth:`crop` that would overwrite positions a view shows first moves the
+    layer to a new buffer (one copy of the kept tokens).
 
     Examples
     --------
@@ -120,22 +125,19 @@ class KVCache:
         dtype=np.float64,
         capacity: int = 16,
     ):
-        self.n_layers = _positive_int(n_layers, "n_layers")
-        self.n_kv_heads = _positive_int(n_kv_heads, "n_kv_heads")
+        self.n_layers = check_positive_int(n_layers, "n_layers")
+        self.n_kv_heads = check_positive_int(n_kv_heads, "n_kv_heads")
         self.head_dim = check_nonneg_int(head_dim, "head_dim")
         self.value_dim = self.head_dim if value_dim is None else check_nonneg_int(value_dim, "value_dim")
-        self.batch_size = _positive_int(batch_size, "batch_size")
-        try:
-            dt = np.dtype(dtype)
-        except TypeError:
-            raise TypeError(f"dtype must be a floating dtype; got {dtype!r}") from None
-        if dt.kind != "f":
-            raise TypeError(f"dtype must be a floating dtype (float16, float32, float64); got {dt}")
-        self.dtype = dt
-        self._initial_capacity = _positive_int(capacity, "capacity")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.dtype = check_float_dtype(dtype)
+        self._initial_capacity = check_positive_int(capacity, "capacity")
         self._keys: list[np.ndarray | None] = [None] * self.n_layers
         self._values: list[np.ndarray | None] = [None] * self.n_layers
         self._lengths = [0] * self.n_layers
+        # Per layer: how many positions of the current buffers some returned view shows. An
+        # append that would write below this mark moves to new buffers, so views never change.
+        self._shown = [0] * self.n_layers
 
     def __repr__(self) -> str:
         return (
@@ -192,6 +194,7 @@ class KVCache:
             view = np.empty((self.batch_size, self.n_kv_heads, 0, width), dtype=self.dtype)
         else:
             view = buf[:, :, : self._lengths[layer]]
+            self._shown[layer] = max(self._shown[layer], self._lengths[layer])
         view.flags.writeable = False
         return view
 
@@ -231,9 +234,11 @@ class KVCache:
         Raises
         ------
         TypeError
-            If ``layer`` is not an integer, or ``key``/``value`` are complex or object arrays.
+            If ``layer`` is not an integer, or ``key``/``value`` are complex, object or masked
+            arrays.
         ValueError
-            If ``layer`` is out of range, or the shapes do not match the cache or each other.
+            If ``layer`` is out of range, the shapes do not match the cache or each other, or
+            a finite entry does not fit in the cache's dtype.
 
         Examples
         --------
@@ -251,8 +256,8 @@ class KVCache:
         (0, 4, 6)
         """
         layer = self._layer(layer)
-        k = as_float_array(key, "key")
-        v = as_float_array(value, "value")
+        k = as_float_array(key, "key", masked_hint=ATTENTION_MASK_HINT)
+        v = as_float_array(value, "value", masked_hint=ATTENTION_MASK_HINT)
         self._check_new(k, "key", self.head_dim)
         self._check_new(v, "value", self.value_dim)
         if k.shape[2] != v.shape[2]:
@@ -260,12 +265,20 @@ class KVCache:
                 f"key and value must hold the same number of new tokens T (axis 2); got "
                 f"key.shape={k.shape}, value.shape={v.shape}"
             )
+        check_range(k, self.dtype, "key", ", the cache's dtype")
+        check_range(v, self.dtype, "value", ", the cache's dtype")
         n, t = self._lengths[layer], k.shape[2]
-        if self._keys[layer] is None or n + t > self._keys[layer].shape[2]:
-            old = self._keys[layer]
-            room = max(self._initial_capacity if old is None else 2 * old.shape[2], n + t)
+        old = self._keys[layer]
+        if old is None or n + t > old.shape[2] or (t and n < self._shown[layer]):
+            if old is None:
+                room = max(self._initial_capacity, n + t)
+            elif n + t > old.shape[2]:
+                room = max(2 * old.shape[2], n + t)
+            else:  # after a crop, a view shows positions this append would overwrite
+                room = old.shape[2]
             self._keys[layer] = self._grow(old, n, room, self.head_dim)
             self._values[layer] = self._grow(self._values[layer], n, room, self.value_dim)
+            self._shown[layer] = 0
         self._keys[layer][:, :, n : n + t] = k  # converts to the cache dtype
         self._values[layer][:, :, n : n + t] = v
         self._lengths[layer] = n + t
@@ -280,8 +293,13 @@ class KVCache:
     def crop(self, length: int) -> None:
         """Forget every token from position ``length`` on, in every layer (e.g. rejected drafts).
 
+        Views returned before the crop keep showing the forgotten tokens; the next append
+        writes into new buffers rather than under them.
+
         Raises
         ------
+        TypeError
+            If ``length`` is not an integer.
         ValueError
             If ``length`` is negative.
 
@@ -333,6 +351,8 @@ class KVCache:
 
         Raises
         ------
+        TypeError
+            If ``return_lse`` is not a bool, or as :func:`scaled_dot_product_attention`.
         ValueError
             If ``T`` exceeds the cached length, or ``query``'s batch, heads or width do not
             fit the cache.
@@ -349,7 +369,8 @@ class KVCache:
                 [[2., 3.]]]])
         """
         layer = self._layer(layer)
-        q = as_float_array(query, "query")
+        return_lse = check_bool(return_lse, "return_lse")
+        q = as_float_array(query, "query", masked_hint=ATTENTION_MASK_HINT)
         S = self._lengths[layer]
         if q.ndim != 4 or q.shape[0] != self.batch_size or q.shape[3] != self.head_dim:
             raise ValueError(

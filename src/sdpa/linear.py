@@ -23,7 +23,13 @@ from typing import Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_float_array, check_alignment, check_nonneg_int, compute_dtype
+from ._checks import (
+    as_float_array,
+    check_alignment,
+    check_bool,
+    check_positive_int,
+    compute_dtype,
+)
 from .masks import alignment_offset
 
 __all__ = ["elu_feature_map", "linear_attention"]
@@ -149,6 +155,12 @@ def linear_attention(
     memory per batch element without a mask; with it, O((T + S) F Dv + T C (F + Dv)) for
     chunks of ``C`` queries.
 
+    **Overflow.** The sums over keys can overflow although every feature is finite (features
+    of ``1e30`` in float32). The features of each query, and the features and values of each
+    batch element, are scaled by a power of two that brings their largest entry near one
+    before the sums, and the scales are divided out after: exact, so ordinary inputs give the
+    same result to the last bit, and large ones no NaN.
+
     Examples
     --------
     >>> import numpy as np
@@ -199,8 +211,7 @@ def linear_attention(
             f"the leading dimensions of query, key and value must broadcast; got "
             f"query.shape={q.shape}, key.shape={k.shape}, value.shape={v.shape}"
         ) from None
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool; got {is_causal!r}")
+    is_causal = check_bool(is_causal, "is_causal")
     alignment = check_alignment(causal_alignment)
     if feature_map is None:
         feature_map = elu_feature_map
@@ -210,9 +221,7 @@ def linear_attention(
         raise TypeError(f"eps must be a real number; got {eps!r}")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and non-negative; got {eps!r}")
-    chunk_size = check_nonneg_int(chunk_size, "chunk_size")
-    if chunk_size == 0:
-        raise ValueError("chunk_size must be a positive integer; got 0")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
 
     out_dtype, work = compute_dtype(q, k, v)
     q, k, v = (a.astype(work, copy=False) for a in (q, k, v))
@@ -224,7 +233,16 @@ def linear_attention(
             f"{phi_q.shape[-1]} and {phi_k.shape[-1]}"
         )
     T, S, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
-    eps_w = work.type(eps)
+    # Finite features can still overflow in the sums (features of 1e30 in float32): scale each
+    # query's features, and each batch element's key features and values, by a power of two
+    # that brings their largest entry into [1/2, 1). The scales are exact and cancel in the
+    # ratio (eps is scaled with the normaliser), so ordinary inputs give the same bits.
+    s_q = _power_of_two_scale(phi_q, axis=(-1,))  # (..., T, 1)
+    s_k = _power_of_two_scale(phi_k, axis=(-2, -1))  # (..., 1, 1)
+    s_v = _power_of_two_scale(v, axis=(-2, -1))
+    phi_q, phi_k, v = phi_q * s_q, phi_k * s_k, v * s_v
+    with np.errstate(under="ignore"):
+        eps_w = (work.type(eps) * s_q) * s_k  # (..., T, 1)
 
     if not is_causal:
         kv = np.swapaxes(phi_k, -1, -2) @ v  # (..., F, S) @ (..., S, Dv) -> (..., F, Dv)
@@ -237,7 +255,18 @@ def linear_attention(
 
     out = np.zeros(np.broadcast_shapes(num.shape, den.shape), dtype=work)
     np.divide(num, den, out=out, where=den > 0)  # a query that sees no key returns 0
+    out /= s_v  # exact, and |out| <= max |v|: no overflow
     return np.broadcast_to(out, (*lead, T, Dv)).astype(out_dtype)
+
+
+def _power_of_two_scale(x: np.ndarray, axis: tuple[int, ...]) -> np.ndarray:
+    """``2**-e`` with ``max |x| = f 2**e``, ``f`` in ``[1/2, 1)``, over ``axis`` (kept); 1 for
+    zeros. Clipped so that the scale itself stays a normal number of ``x``'s dtype."""
+    if x.size == 0:
+        return np.ones((1,) * x.ndim, dtype=x.dtype)
+    _, e = np.frexp(np.max(np.abs(x), axis=axis, keepdims=True))
+    limit = np.finfo(x.dtype).maxexp - 2
+    return np.ldexp(np.ones(e.shape, dtype=x.dtype), np.clip(-e, -limit, limit))
 
 
 def _causal_sums(phi_q, phi_k, v, offset: int, chunk: int):

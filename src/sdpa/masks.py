@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import check_alignment, check_nonneg_int, check_window
+from ._checks import as_array, check_alignment, check_nonneg_int, check_window
 
 __all__ = ["causal_mask", "padding_mask", "sliding_window_mask"]
 
@@ -184,7 +184,7 @@ def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
            [1, 0, 0, 0]])
     """
     S = check_nonneg_int(S, "S")
-    lengths = np.asarray(lengths)
+    lengths = as_array(lengths, "lengths", masked_hint="pass a plain array of lengths")
     if lengths.dtype.kind not in "iu":
         raise TypeError(f"lengths must be an array of integers; got dtype {lengths.dtype}")
     if lengths.ndim != 1:

@@ -16,7 +16,15 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_float_array, check_nonneg_int, check_rng
+from ._checks import (
+    ATTENTION_MASK_HINT,
+    as_array,
+    as_float_array,
+    check_bool,
+    check_float_dtype,
+    check_nonneg_int,
+    check_rng,
+)
 from .attention import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "split_heads", "merge_heads"]
@@ -53,7 +61,7 @@ def split_heads(x: ArrayLike, n_heads: int) -> np.ndarray:
     >>> bool((merge_heads(split_heads(x, 3)) == x).all())
     True
     """
-    x = np.asarray(x)
+    x = as_array(x, "x")
     n_heads = check_nonneg_int(n_heads, "n_heads")
     if x.ndim < 2:
         raise ValueError(f"x must have at least 2 dimensions (..., T, E); got x.shape={x.shape}")
@@ -88,7 +96,7 @@ def merge_heads(x: ArrayLike) -> np.ndarray:
     >>> merge_heads(np.zeros((2, 4, 5, 8))).shape  # (B, H, T, D) -> (B, T, H * D)
     (2, 5, 32)
     """
-    x = np.asarray(x)
+    x = as_array(x, "x")
     if x.ndim < 3:
         raise ValueError(f"x must have at least 3 dimensions (..., H, T, D); got x.shape={x.shape}")
     *lead, H, T, D = x.shape
@@ -236,10 +244,21 @@ class MultiHeadAttention:
         rng : numpy.random.Generator
             Source of the weights.
         dtype : float dtype, default float64
+            float16, float32 or float64. Integer dtypes are refused: Glorot weights are below
+            one, so they would all round to zero.
 
         Returns
         -------
         MultiHeadAttention
+
+        Raises
+        ------
+        TypeError
+            If ``rng`` is not a ``numpy.random.Generator``, a size is not an integer, ``bias``
+            is not a bool, or ``dtype`` is not a floating dtype.
+        ValueError
+            If a size is negative, or ``n_heads`` does not divide ``d_model`` when ``d_k`` is
+            not given.
 
         Examples
         --------
@@ -252,6 +271,8 @@ class MultiHeadAttention:
         ((12, 12), (12, 3), (12, 12))
         """
         rng = check_rng(rng)
+        bias = check_bool(bias, "bias")
+        dtype = check_float_dtype(dtype)
         d_model = check_nonneg_int(d_model, "d_model")
         n_heads = check_nonneg_int(n_heads, "n_heads")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -347,9 +368,10 @@ class MultiHeadAttention:
         >>> bool(np.all(w[1, :, :, 4:] == 0))  # no weight on the padding of sequence 1
         True
         """
-        x_q = as_float_array(query, "query")
-        x_k = x_q if key is None else as_float_array(key, "key")
-        x_v = x_k if value is None else as_float_array(value, "value")
+        hint = ATTENTION_MASK_HINT
+        x_q = as_float_array(query, "query", masked_hint=hint)
+        x_k = x_q if key is None else as_float_array(key, "key", masked_hint=hint)
+        x_v = x_k if value is None else as_float_array(value, "value", masked_hint=hint)
         for name, x, W in (("query", x_q, self.W_q), ("key", x_k, self.W_k), ("value", x_v, self.W_v)):
             if x.ndim < 2 or x.shape[-1] != W.shape[0]:
                 raise ValueError(

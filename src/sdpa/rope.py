@@ -30,7 +30,7 @@ from numbers import Real
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_float_array, check_nonneg_int, compute_dtype
+from ._checks import as_array, as_float_array, check_bool, check_nonneg_int, compute_dtype
 
 __all__ = ["apply_rotary_embedding", "rotary_cos_sin"]
 
@@ -45,7 +45,7 @@ def _check_base(base) -> float:
 
 def _check_positions(positions: ArrayLike) -> np.ndarray:
     """Positions as a float64 array (ints or floats, finite); bool and complex are refused."""
-    pos = np.asarray(positions)
+    pos = as_array(positions, "positions", masked_hint="pass a plain array of positions")
     if pos.dtype.kind not in "iuf":
         raise TypeError(
             f"positions must be an array of integers or real numbers; got dtype {pos.dtype}"
@@ -199,12 +199,11 @@ def apply_rotary_embedding(
         raise ValueError(
             f"the last dimension Dk of x must be even (features rotate in pairs); got x.shape={arr.shape}"
         )
-    if not isinstance(interleaved, (bool, np.bool_)):
-        raise TypeError(f"interleaved must be a bool; got {interleaved!r}")
+    check_bool(interleaved, "interleaved")
     if positions is None:
         positions = np.arange(T)
     else:
-        pos = np.asarray(positions)
+        pos = as_array(positions, "positions", masked_hint="pass a plain array of positions")
         try:
             fits = np.broadcast_shapes(pos.shape, arr.shape[:-1]) == arr.shape[:-1]
         except ValueError:

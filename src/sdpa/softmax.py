@@ -9,7 +9,11 @@ positive argument and cannot overflow. Two edge cases get exact answers instead 
   (the limit of softmax as those entries grow).
 
 A NaN makes its whole slice NaN (softmax, log-softmax and log-sum-exp alike). None of these
-cases raises a floating-point warning. float16 is computed in float32 and returned as float16;
+cases raises a floating-point warning, and neither do finite inputs whose differences exceed
+the dtype's range (``[1e308, -1e308]``): the far entry gets probability 0 and log-probability
+``-inf``, the rounding of a value below the range.
+
+float16 is computed in float32 and returned as float16;
 integer and bool inputs are computed and returned in float64.
 """
 
@@ -22,9 +26,11 @@ from ._checks import as_float_array, check_axis, compute_dtype
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
+SOFTMAX_MASK_HINT = "pass the plain array with the masked entries set to -inf"
+
 
 def _prepare(x: ArrayLike, axis) -> tuple[np.ndarray, int, np.dtype]:
-    arr = as_float_array(x, "x")
+    arr = as_float_array(x, "x", masked_hint=SOFTMAX_MASK_HINT)
     if arr.ndim == 0:
         raise ValueError("x must have at least one dimension; got a 0-d array")
     axis = check_axis(arr, axis)
@@ -51,7 +57,8 @@ def softmax_and_lse(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarr
     m = np.max(x, axis=axis, keepdims=True)  # NaN if the slice holds a NaN
     ordinary = np.isfinite(m)
     if ordinary.all():
-        p = np.subtract(x, m)
+        with np.errstate(over="ignore"):  # x - m below -max is -inf: exp gives 0, as it should
+            p = np.subtract(x, m)
         np.exp(p, out=p)  # every exponent <= 0: no overflow
         total = np.sum(p, axis=axis, keepdims=True)  # >= 1, since the maximum gives exp(0)
         p /= total
@@ -59,7 +66,8 @@ def softmax_and_lse(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarr
     # Some slices are special (all -inf, +inf, NaN). Exponentiate only the ordinary ones;
     # the others start from exp(-inf) = 0 and are filled in below.
     shift = np.where(ordinary, m, 0).astype(x.dtype, copy=False)
-    p = np.where(ordinary, x, x.dtype.type(-np.inf)) - shift
+    with np.errstate(over="ignore"):  # as above
+        p = np.where(ordinary, x, x.dtype.type(-np.inf)) - shift
     np.exp(p, out=p)
     total = np.sum(p, axis=axis, keepdims=True)
     p /= np.where(ordinary, total, 1)
@@ -203,7 +211,8 @@ def log_softmax(x: ArrayLike, axis: int = -1) -> np.ndarray:
     # exact; x - logsumexp(x) would lose them when |x| is large (float32 near 1e4).
     m = np.max(arr, axis=axis, keepdims=True)
     ordinary = np.isfinite(m)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # x - m below -max is -inf: the log-probability is below the dtype's range
         z = np.where(ordinary, arr - np.where(ordinary, m, 0), arr.dtype.type(-np.inf))
         out = z - np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
         if not ordinary.all():  # slices entirely -inf, or holding +inf or NaN

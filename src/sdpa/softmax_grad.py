@@ -15,11 +15,13 @@ attention backward pass (:func:`sdpa.scaled_dot_product_attention_backward`).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_float_array, check_axis, compute_dtype
-from .softmax import softmax_and_lse
+from ._checks import as_float_array, check_axis, check_memory, compute_dtype
+from .softmax import SOFTMAX_MASK_HINT, softmax_and_lse
 
 __all__ = ["softmax_jacobian", "softmax_vjp"]
 
@@ -44,9 +46,12 @@ def softmax_jacobian(x: ArrayLike, axis: int = -1) -> np.ndarray:
     Raises
     ------
     TypeError
-        If ``x`` is complex or not numeric, or ``axis`` is not an integer.
+        If ``x`` is complex, not numeric or a masked array, or ``axis`` is not an integer.
     ValueError
         If ``x`` is 0-d or ``axis`` is out of range.
+    MemoryError
+        If the ``(..., N, N)`` result would not fit in the available memory (estimated before
+        anything is allocated; an input of 50,000 entries asks for 20 GB).
 
     Notes
     -----
@@ -71,14 +76,22 @@ def softmax_jacobian(x: ArrayLike, axis: int = -1) -> np.ndarray:
     >>> softmax_jacobian(np.zeros((4, 5, 3)), axis=1).shape  # axis 1 (N = 5) moves to the end
     (4, 3, 5, 5)
     """
-    arr = as_float_array(x, "x")
+    arr = as_float_array(x, "x", masked_hint=SOFTMAX_MASK_HINT)
     if arr.ndim == 0:
         raise ValueError("x must have at least one dimension; got a 0-d array")
     axis = check_axis(arr, axis)
     out_dtype, work_dtype = compute_dtype(arr)
+    n = arr.shape[axis]
+    shape = (*arr.shape[:axis], *arr.shape[axis + 1 :], n, n)
+    # the Jacobian, in the working dtype and (float16) once more in the output dtype
+    need = math.prod(shape) * (work_dtype.itemsize + (out_dtype != work_dtype) * out_dtype.itemsize)
+    check_memory(
+        need,
+        f"the Jacobian of shape {shape} in {work_dtype}",
+        "softmax_vjp gives its product with a vector in O(N) memory",
+    )
     arr = np.moveaxis(arr.astype(work_dtype, copy=False), axis, -1)
     p, _ = softmax_and_lse(arr, axis=-1)  # (..., N)
-    n = p.shape[-1]
     jacobian = -p[..., :, None] * p[..., None, :]  # (..., N, 1) * (..., 1, N) -> (..., N, N)
     diagonal = np.einsum("...ii->...i", jacobian)  # a writable view of the diagonal
     diagonal += p

@@ -26,6 +26,11 @@ What matters for speed on a CPU, where every NumPy call is a full pass over a ti
   the true maximum; only a tile that breaks the bound is recomputed with a new shift (the
   classical rescaling). Most tiles thus cost two matrix products and one ``exp``: no pass for
   the row maximum, none for the subtraction, no rescaling of ``acc``;
+* exactness whatever the bias: the rescaling step works on the raw scores (nothing folded in,
+  rounded exactly as the reference path rounds them), and a shift is folded in only while
+  ``|m| <= FOLD_LIMIT``. A row whose scores are dominated by a huge bias (a float mask of
+  ``finfo.min`` or ``-1e9``, as padding masks are often written) subtracts its shift after the
+  product instead, since ``fl(q.k - m)`` would round ``q.k`` away;
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
   entirely inside it are not masked; only the blocks the band's edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
@@ -49,6 +54,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ._checks import (
+    check_alignment,
+    check_bool,
+    check_nonneg_int,
+    check_positive_int,
+    check_window,
+)
 
 __all__ = ["tile_map"]
 
@@ -150,7 +163,7 @@ def tile_map(
     Raises
     ------
     TypeError
-        If a size is not an integer.
+        If a size is not an integer, or ``is_causal`` is not a bool.
     ValueError
         If a size is negative (tile sizes must be positive), or ``window`` or
         ``causal_alignment`` is invalid.
@@ -174,15 +187,14 @@ def tile_map(
            [2, 2, 1, 0],
            [2, 2, 2, 1]])
     """
-    from ._checks import check_alignment, check_nonneg_int, check_window
     from .masks import alignment_offset, band_limits
 
     T = check_nonneg_int(T, "T")
     S = check_nonneg_int(S, "S")
-    block_q = _check_block(block_q, "block_q")
-    block_k = _check_block(block_k, "block_k")
+    block_q = check_positive_int(block_q, "block_q")
+    block_k = check_positive_int(block_k, "block_k")
     offset = alignment_offset(T, S, check_alignment(causal_alignment))
-    lo, hi = band_limits(bool(is_causal), check_window(window))
+    lo, hi = band_limits(check_bool(is_causal, "is_causal"), check_window(window))
     n_q, n_k = -(-T // block_q), -(-S // block_k)
     kinds = np.zeros((n_q, n_k), dtype=int)
     for a in range(n_q):
@@ -194,25 +206,108 @@ def tile_map(
     return kinds
 
 
-def _check_block(value, name: str) -> int:
-    from ._checks import check_nonneg_int
-
-    value = check_nonneg_int(value, name)
-    if value == 0:
-        raise ValueError(f"{name} must be a positive integer; got 0")
-    return value
-
-
-# Below this many scores (summed over heads) the reference path is as fast or faster: the tiled
-# path pays for Python-level loops and thread hand-offs. Measured with benchmarks/tune.py
-# (threshold): the tiled path won from about 1.3e5 scores on, one head or eight.
+# Below this many scores (summed over heads) the reference path is as fast or faster whatever
+# the shapes: the tiled path pays for Python-level loops and thread hand-offs.
 MIN_TILED_SCORES = 1 << 17
+
+# The cost model behind implementation="auto": wall time in microseconds on idle cores.
+# Counting scores alone (the rule until issue 9) sent 20000 heads of 4 x 4 scores to the tiled
+# path, 32 times slower than the reference path: every work unit and every tile costs a fixed
+# amount of Python and NumPy call overhead that small heads cannot amortise. The constants come
+# from `benchmarks/tune.py auto` on the 2-core benchmark machine: single-thread CPU times of
+# both paths over 70 shapes, fitted term by term (CPU time, unlike wall time, stays put while
+# other processes share the machine), then spread over the cores each part runs on: the tiled
+# path's work over its workers, the reference path's products (the term in the head width)
+# over BLAS's threads; its softmax passes run on one core.
+REFERENCE_COST = dict(
+    call=60.0,  # validation and dispatch (estimated: tiny calls' wall time is noise when shared)
+    matrix=0.5,  # per (T, S) matrix: the batched products' loop
+    io=0.001,  # per entry of the inputs read per matrix, (T + S) (Dk + Dv): small products
+    score=0.0064,  # per score: the softmax's passes, one core
+    score_width=0.000015,  # per score and unit of Dk + Dv: the two products, on BLAS's threads
+    masked=0.003,  # per score, with a mask or a band: one more pass
+)
+TILED_COST = dict(
+    call=250.0,  # validation, the plan, starting the worker threads (estimated, as above)
+    unit=95.0,  # per work unit: its first tile and its bookkeeping
+    tile=20.0,  # per further tile (the fit cannot separate it from the unit; a floor)
+    score=0.0037,  # per computed score: exp and the row sums
+    score_width=0.000045,  # per computed score and unit of Dk + Dv: the two products
+)
+
+
+def tiling_geometry(problem, block_q=None, block_k=None) -> tuple[int, int, int, int]:
+    """``(units, tiles, scores, workers)`` that the tiled path would use for ``problem``.
+
+    ``units`` are the independent work units (one block of query rows of one head, with the
+    heads that share keys folded in), ``tiles`` the tiles it computes (those the causal/window
+    band skips are not counted; those a boolean mask turns out to disallow are), ``scores``
+    the entries of those tiles. Computed from the shapes, without touching the data.
+    """
+    bs = problem.batch_shape
+    T, S = problem.T, problem.S
+    F = bs[-1] if _fold_axis(problem) else 1
+    outer = int(np.prod(bs, dtype=np.int64)) // max(F, 1)
+    dtype = problem.work_dtype
+    bq = max(1, BLOCK_ROWS.get(dtype, 128) // F) if block_q is None else block_q
+    bk = BLOCK_K.get(dtype, 512) if block_k is None else block_k
+    t0 = np.arange(0, T, bq, dtype=np.int64)  # the first query of each block
+    t1 = np.minimum(t0 + bq, T)
+    lo, hi = problem.band
+    start = np.zeros_like(t0) if lo is None else np.maximum(0, t0 + problem.offset + lo)
+    stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
+    stop = np.maximum(start, stop)
+    n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
+    units = outer * t0.size
+    tiles = outer * int(n_tiles.sum())
+    scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
+    workers = min(default_workers(), max(units, 1))
+    return units, tiles, scores, workers
+
+
+def estimated_times(problem) -> tuple[float, float]:
+    """``(reference, tiled)``: the cost model's estimate of both paths' wall time, in us."""
+    T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
+    n_matrices = int(np.prod(problem.batch_shape, dtype=np.int64))
+    n_scores = n_matrices * T * S
+    width = Dk + Dv
+    masked = problem.allowed is not None or problem.bias is not None or problem.band != (None, None)
+    r = REFERENCE_COST
+    reference = (
+        r["call"]
+        + n_matrices * (r["matrix"] + r["io"] * (T + S) * width)
+        + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
+    )
+    units, tiles, scores, workers = tiling_geometry(problem)
+    c = TILED_COST
+    work = (
+        c["unit"] * units
+        + c["tile"] * max(0, tiles - units)
+        + scores * (c["score"] + c["score_width"] * width)
+    )
+    return reference, c["call"] + work / workers
 
 
 def worth_tiling(problem) -> bool:
-    """Whether ``implementation="auto"`` should take the tiled path for this problem."""
+    """Whether ``implementation="auto"`` should take the tiled path for this problem.
+
+    Never below ``MIN_TILED_SCORES`` scores; above, when the cost model predicts the tiled
+    path to be faster (:func:`estimated_times`), or when the reference path's ``(T, S)``
+    matrices would take more than a quarter of the available memory.
+    """
     n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
-    return n_scores >= MIN_TILED_SCORES
+    if n_scores < MIN_TILED_SCORES:
+        return False
+    reference, tiled = estimated_times(problem)
+    if tiled < reference:
+        return True
+    need = 3 * n_scores * problem.work_dtype.itemsize
+    if need > (1 << 28):  # 256 MiB: worth asking how much memory there is
+        from ._checks import available_memory
+
+        available = available_memory()
+        return available is not None and need > available / 4
+    return False
 
 
 # ----------------------------------------------------------------------------------------
@@ -220,7 +315,9 @@ def worth_tiling(problem) -> bool:
 # ----------------------------------------------------------------------------------------
 
 _controller = None
-_controller_lock = threading.Lock()
+_blas_lock = threading.Lock()
+_blas_holders = 0  # calls currently inside single_threaded_blas(), in any thread
+_blas_limiter = None  # the threadpoolctl limiter of the first of them; restored by the last
 
 
 def default_workers() -> int:
@@ -231,17 +328,35 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+@contextlib.contextmanager
 def single_threaded_blas():
-    """Hold BLAS to one thread for the duration of a call (no-op without threadpoolctl)."""
-    global _controller
+    """Hold BLAS to one thread for the duration of a call (no-op without threadpoolctl).
+
+    BLAS's thread count is a setting of the whole process, so overlapping calls from several
+    threads share one limit: the first call to enter saves the setting and limits it, the last
+    to leave restores it. (Each call restoring what it saw on entry would leave BLAS at one
+    thread whenever two calls overlap and the first finishes first.)
+    """
+    global _controller, _blas_holders, _blas_limiter
+    with _blas_lock:
+        if _blas_holders == 0:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+                ThreadpoolController = None
+            if ThreadpoolController is not None:
+                if _controller is None:
+                    _controller = ThreadpoolController()  # inspecting the libraries is slow
+                _blas_limiter = _controller.limit(limits=1, user_api="blas")
+        _blas_holders += 1
     try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
-        return contextlib.nullcontext()
-    with _controller_lock:
-        if _controller is None:
-            _controller = ThreadpoolController()  # inspecting the loaded libraries is slow: once
-    return _controller.limit(limits=1, user_api="blas")
+        yield
+    finally:
+        with _blas_lock:
+            _blas_holders -= 1
+            if _blas_holders == 0 and _blas_limiter is not None:
+                _blas_limiter.restore_original_limits()
+                _blas_limiter = None
 
 
 def run_in_threads(tasks: list) -> list:
@@ -274,6 +389,8 @@ class _Plan:
     bias: np.ndarray | None  # (*outer, F, T, S) view, or None
     out: np.ndarray  # (*outer, F, T, Dv), written by the workers
     lse: np.ndarray  # (*outer, F, T)
+    m: np.ndarray | None  # (*outer, F, T): the final shift of each row, when asked for
+    ell: np.ndarray | None  # (*outer, F, T): the row sums at that shift, when asked for
     scale: float
     offset: int
     lo: int | None
@@ -287,6 +404,8 @@ class _Plan:
     block_q: int
     block_k: int
     dtype: np.dtype
+    may_overflow: bool  # check every tile's scores for overflow (see attention.check_overflow)
+    problem: object  # the AttentionProblem, for error messages
 
 
 def _fold_axis(problem) -> bool:
@@ -295,13 +414,13 @@ def _fold_axis(problem) -> bool:
     if not bs or bs[-1] <= 1:
         return False
     for a in (problem.key, problem.value):
-        lead = a.shape[:-2]  # at most len(bs) axes, since bs is their broadcast
-        if len(lead) == len(bs) and lead[-1] != 1:
+        lead = a.shape[:-2]  # right-aligned with bs, and at most as long
+        if lead and lead[-1] != 1:
             return False
     return True
 
 
-def _make_plan(problem, block_q, block_k) -> _Plan:
+def _make_plan(problem, block_q, block_k, with_stats=False) -> _Plan:
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
     bs = problem.batch_shape
@@ -345,6 +464,8 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
         bias=bias,
         out=np.empty((*outer, F, T, Dv), dtype=dtype),
         lse=np.empty((*outer, F, T), dtype=dtype),
+        m=np.empty((*outer, F, T), dtype=dtype) if with_stats else None,
+        ell=np.empty((*outer, F, T), dtype=dtype) if with_stats else None,
         scale=problem.scale,
         offset=problem.offset,
         lo=lo,
@@ -358,7 +479,17 @@ def _make_plan(problem, block_q, block_k) -> _Plan:
         block_q=int(block_q),
         block_k=int(block_k),
         dtype=dtype,
+        may_overflow=problem.may_overflow,
+        problem=problem,
     )
+
+
+# The shift m of a row is folded into the first matrix product only while |m| is at most this.
+# Folding computes fl(q.k - m) instead of fl(q.k) - m: its rounding error grows with |m|, which
+# costs nothing while m is of the size of the scores (it lags at most LAZY_MARGIN behind their
+# maximum), but a row whose scores are dominated by a large bias (a float mask filled with
+# finfo.min or -1e9) must subtract m separately, as the reference path does, or q.k is lost.
+FOLD_LIMIT = 64.0
 
 
 class _Worker:
@@ -374,6 +505,7 @@ class _Worker:
         self.pv = np.empty(rows * p.Wv, dtype=p.dtype)
         self.acc = np.empty(rows * p.Wv, dtype=p.dtype)
         self.m = np.empty(rows, dtype=p.dtype)
+        self.unfolded = np.empty(rows, dtype=p.dtype)
         self.masked = np.empty(rows * bk, dtype=bool) if p.allowed is not None else None
         self.band_cache: dict = {}
         self.computed = 0
@@ -407,12 +539,16 @@ class _Worker:
         # running shift m, so no separate pass subtracts it.
         q = self.q[: rows * (Dk + 1)].reshape(rows, Dk + 1)
         np.multiply(p.q[o][:, t0:t1, :], p.scale, out=q.reshape(F, bq, Dk + 1)[..., :Dk])
-        q[:, Dk] = 0
+        folded = q[:, Dk]  # -m for the rows whose shift is folded in, 0 for the others
+        folded.fill(0)
         k1, v1 = p.k1[o], p.v1[o]  # (S, Dk + 1), (S, Wv)
         allowed = None if p.allowed is None else p.allowed[o]
         bias = None if p.bias is None else p.bias[o]
         m = self.m[:rows]  # the shift of each row; 0 until the row has met an allowed key
         m.fill(0)
+        unfolded = self.unfolded[:rows]  # m for the rows whose shift is not folded in, else 0
+        unfolded.fill(0)
+        any_unfolded = False
         started = np.zeros(rows, dtype=bool)  # rows that have met an allowed key
         all_started = False
         acc = self.acc[: rows * p.Wv].reshape(rows, p.Wv)
@@ -441,34 +577,43 @@ class _Worker:
                 masked = self.band_masked(t0, t1, s0, s1)
             self.computed += 1
             s = self.s[: rows * bk].reshape(rows, bk)
-            self.scores_minus_m(s, q, k1[s0:s1], bias, masked, t0, t1, s0, s1)
-            if all_started:
+            bias_tile = None if bias is None else bias[:, t0:t1, s0:s1]
+            if all_started and not p.may_overflow:
                 # The common case: exp(scores - m) at the current shift. It is exact as long as
                 # no score exceeds m by more than LAZY_MARGIN (then nothing overflows and
                 # l >= 1), which the tile's row sums, a by-product of the second product, prove.
+                self.scores(s, q, k1[s0:s1], bias_tile, masked, unfolded if any_unfolded else None)
                 _tile_exp(s, out=s)
                 np.matmul(s, v1[s0:s1], out=pv)  # (rows, bk) @ (bk, Wv) -> (rows, Wv)
                 if pv[:, Dv].max() <= LAZY_BOUND:
                     acc += pv  # acc[:, :Dv] += p @ v;  acc[:, Dv] = l += rowsum(p)
                     continue
-                self.scores_minus_m(s, q, k1[s0:s1], bias, masked, t0, t1, s0, s1)
-            # Move the shift: a row that has met keys before moves up to its new maximum when
-            # that is higher (rescaling its sums by alpha = exp(m - m_new)); a row meeting its
-            # first allowed key starts at that tile's maximum.
+            # The exact step, the online softmax as written: the raw scores (nothing folded in,
+            # so they are rounded exactly as the reference path rounds them), the new maximum
+            # m_new = max(m, rowmax), the old sums rescaled by alpha = exp(m - m_new). A row
+            # meeting its first allowed key starts at that tile's maximum.
             self.rescaled += 1
-            r = np.max(s, axis=1)  # max(scores) - m per row; -inf where nothing is allowed
-            meets = np.isfinite(r)
-            delta = np.where(started, np.maximum(r, 0), np.where(meets, r, 0))
-            alpha = np.where(started, np.exp(-delta), 0)
-            np.subtract(s, delta[:, None], out=s)
+            folded.fill(0)
+            self.scores(s, q, k1[s0:s1], bias_tile, masked, None, check=p.may_overflow)
+            r = np.max(s, axis=1)  # -inf where nothing is allowed
+            meets = r > -np.inf
+            m_new = np.where(started, np.maximum(m, r), np.where(meets, r, 0))
+            alpha = np.where(started, np.exp(m - m_new), 0)  # exp(-inf) = 0: no overflow
+            np.subtract(s, m_new[:, None], out=s)
             _tile_exp(s, out=s)  # p = exp(scores - m_new), at most 1
             np.matmul(s, v1[s0:s1], out=pv)
             acc *= alpha[:, None]
             acc += pv
-            m += delta
-            np.negative(m, out=q[:, Dk])
+            m[:] = m_new
+            small = np.abs(m) <= FOLD_LIMIT  # rows whose shift can be folded in exactly
+            np.negative(m, out=folded)
+            folded[~small] = 0
+            any_unfolded = not small.all()
+            np.copyto(unfolded, m)
+            unfolded[small] = 0
             started |= meets
             all_started = bool(started.all())
+        folded.fill(0)
         # out = acc / l and lse = m + log l; rows that never met an allowed key have l = 0.
         ell = acc[:, Dv]
         seen = ell > 0
@@ -480,16 +625,29 @@ class _Worker:
         np.log(ell, out=lse, where=seen)
         np.add(lse, m, out=lse, where=seen)
         p.lse[o][:, t0:t1] = lse.reshape(F, bq)
+        if p.m is not None:
+            p.m[o][:, t0:t1] = m.reshape(F, bq)
+            p.ell[o][:, t0:t1] = ell.reshape(F, bq)
 
-    @staticmethod
-    def scores_minus_m(s, q, k1, bias, masked, t0, t1, s0, s1):
-        """``s = scale * q k^T + bias - m`` on one tile, disallowed entries set to ``-inf``."""
+    def scores(self, s, q, k1, bias, masked, unfolded, check=False):
+        """``s = scale * q k^T - folded + bias - unfolded`` on one tile (the shift ``m`` of each
+        row is in ``folded`` or in ``unfolded``), disallowed entries set to ``-inf``.
+
+        With ``check``, the raw scores (nothing subtracted) are checked for overflow first.
+        """
         np.matmul(q, k1.T, out=s)  # (rows, Dk+1) @ (Dk+1, bk) -> (rows, bk)
-        if bias is not None or masked is not None:
-            F = q.shape[0] // (t1 - t0)
-            s3 = s.reshape(F, t1 - t0, s1 - s0)
+        if bias is not None or masked is not None or unfolded is not None or check:
+            s3 = s.reshape(self.plan.F, -1, s.shape[1])  # (F, bq, bk)
             if bias is not None:
-                np.add(s3, bias[:, t0:t1, s0:s1], out=s3)
+                np.add(s3, bias, out=s3)
+            if unfolded is not None:
+                np.subtract(s, unfolded[:, None], out=s)
+            if check:
+                from .attention import check_overflow
+
+                check_overflow(
+                    self.plan.problem, s3, None if masked is None else ~masked, bias
+                )
             if masked is not None:
                 np.copyto(s3, -np.inf, where=masked)
 
@@ -497,7 +655,8 @@ class _Worker:
         """Take units from the shared list until it is empty."""
         with np.errstate(all="ignore"):
             # Errors cannot arise here except in the deliberate -inf arithmetic above:
-            # exp(-inf) = 0 and log(0) never reached (masked by ``where``).
+            # exp(-inf) = 0, m - m_new = -inf, and log(0) never reached (masked by ``where``);
+            # overflow is excluded up front or checked (Plan.may_overflow).
             while True:
                 i = next(counter)
                 if i >= len(units):
@@ -505,7 +664,16 @@ class _Worker:
                 self.run(*units[i])
 
 
-def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=None):
+def attention_tiled(
+    problem,
+    *,
+    block_q=None,
+    block_k=None,
+    workers=None,
+    stats=None,
+    return_stats=False,
+    mark=True,
+):
     """The online-softmax tiled path on a prepared problem; returns ``(out, lse)``.
 
     ``out`` has the shape ``(*problem.batch_shape, T, Dv)`` and ``lse`` ``(*batch_shape, T)``,
@@ -514,18 +682,28 @@ def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=
     per tile (default: chosen so that a tile holds about ``BLOCK_ROWS`` rows after folding the
     heads of a group), ``block_k`` the number of keys; ``workers`` the number of threads
     (default: the cores available). ``stats``, a :class:`TileStats`, receives tile counts.
+    With ``return_stats`` the result is ``(out, lse, m, ell)``: ``lse = m + log(ell)`` in two
+    parts, the shift ``m`` (close to the row maximum) and the row sum ``ell`` at that shift,
+    which the backward pass needs when ``lse`` is too large for its rounding to be negligible.
+    Rows reached by a non-finite input are NaN in ``out`` and ``lse`` (not in ``m``, ``ell``)
+    unless ``mark`` is False (the backward pass marks its own).
     """
+    from .attention import mark_poisoned
+
     if block_q is not None:
-        block_q = _check_block(block_q, "block_q")
+        block_q = check_positive_int(block_q, "block_q")
     if block_k is not None:
-        block_k = _check_block(block_k, "block_k")
+        block_k = check_positive_int(block_k, "block_k")
     T, S, Dv = problem.T, problem.S, problem.Dv
     dtype = problem.work_dtype
     if S == 0 or T == 0 or 0 in problem.batch_shape:
         out = np.zeros((*problem.batch_shape, T, Dv), dtype=dtype)
         lse = np.full((*problem.batch_shape, T), -np.inf, dtype=dtype)
-        return out, lse
-    plan = _make_plan(problem, block_q, block_k)
+        m, ell = np.zeros_like(lse), np.zeros_like(lse)
+        if mark:
+            out, lse, _ = mark_poisoned(problem, out, lse)
+        return (out, lse, m, ell) if return_stats else (out, lse)
+    plan = _make_plan(problem, block_q, block_k, with_stats=return_stats)
     outer = plan.out.shape[:-3]
     n_q = -(-T // plan.block_q)
     units = []
@@ -552,4 +730,9 @@ def attention_tiled(problem, *, block_q=None, block_k=None, workers=None, stats=
         stats.skipped_band += total - sum(u[0] for u in units)
         stats.per_worker.append([w.computed for w in workers_])
     bs = problem.batch_shape
-    return plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
+    out, lse = plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
+    if mark:
+        out, lse, _ = mark_poisoned(problem, out, lse)
+    if return_stats:
+        return out, lse, plan.m.reshape(*bs, T), plan.ell.reshape(*bs, T)
+    return out, lse
