@@ -266,3 +266,51 @@ def test_the_book_keeps_its_glued_numbers_and_assertions():
 def test_glue_comes_from_sdpa_book():
     offenders = [_rel(p) for p in SOURCES if "myst_nb" in p.read_text(encoding="utf-8")]
     assert not offenders, f"pages importing myst_nb (use `from sdpa_book import glue`): {offenders}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The landing page
+
+
+def _toctree_docs() -> list[str]:
+    """Every page in the landing page's tables of contents, in order (``formula/softmax``)."""
+    text = (BOOK / "index.md").read_text(encoding="utf-8")
+    docs = []
+    for block in re.findall(r"^```\{toctree\}\n(.*?)^```", text, re.M | re.S):
+        docs += [line.strip() for line in block.splitlines() if line.strip() and not line.startswith(":")]
+    return docs
+
+
+def test_landing_page_leads_the_reader_in(site_pages):
+    """The landing page opens with a computed figure, says what a reader will be able to do,
+    offers three reading paths, lists every chapter with its reading time, and links to the
+    page that ships the code."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup((SITE / "index.html").read_text(encoding="utf-8"), "html.parser")
+    article = soup.select_one("article")
+    first_heading = article.find("h2")
+    hook = first_heading.find_all_previous("figure")
+    assert hook, "no figure before the first section: the hook comes before everything else"
+    assert hook[0].find("img") is not None, "the hook figure has no image"
+    numbers = re.findall(r"\b0\.\d\d\b", hook[0].get_text())
+    assert len(numbers) >= 3, f"the hook's caption states no computed weights: {hook[0].get_text()!r}"
+
+    sections = {h.get_text(strip=True).rstrip("#¶"): h.find_parent("section") for h in article.find_all("h2")}
+    able = sections["You will be able to"].find("ul")
+    assert able is not None and len(able.find_all("li")) >= 5
+    paths = sections["Three ways in"].find_all("dt")
+    assert len(paths) == 3, [p.get_text() for p in paths]
+
+    chapters = sections["The chapters"]
+    listed = {}
+    for item in chapters.find_all("li"):
+        link = item.find("a", href=True)
+        minutes = re.search(r"\((\d+) min\)", item.get_text())
+        assert link is not None and minutes, f"a chapter line without a link or a time: {item.get_text()!r}"
+        listed[link["href"].split("#")[0].removesuffix(".html")] = int(minutes.group(1))
+    chapters_in_toc = [doc for doc in _toctree_docs() if not doc.startswith("appendix/") and doc != "run-it-yourself"]
+    assert list(listed) == chapters_in_toc, "the chapter list and the table of contents differ"
+    assert all(1 <= m <= 60 for m in listed.values()), listed
+    assert len(set(listed.values())) > 3, "every page has the same reading time: not computed"
+    assert article.find("a", href=re.compile(r"^run-it-yourself\.html")) is not None

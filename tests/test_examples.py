@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from sdpa import causal_mask, scaled_dot_product_attention, softmax
-from sdpa.examples import SOFTMAX_SCORES, WorkedExample, the_cat_sat_on_mat, the_cat_sleeps
+from sdpa.examples import (
+    SOFTMAX_SCORES,
+    WorkedExample,
+    the_cat_sat_on_mat,
+    the_cat_sleeps,
+    the_dog_near_the_cats,
+)
 
 # --- "The cat sleeps." (001_ec8ea104f99540c1.txt) -------------------------------------------------
 
@@ -106,3 +112,28 @@ def test_attention_over_the_cat_sat_on_mat(is_causal):
     # each output is a weighted average of the value rows
     assert np.all(out <= ex.V.max(axis=1, keepdims=True) + 1e-12)
     assert np.all(out >= ex.V.min(axis=1, keepdims=True) - 1e-12)
+
+
+# --- "the dog near the cats barks at them" (written for the book) ----------------------------
+
+
+def test_the_dog_near_the_cats_resolves_agreement():
+    """By hand: the query of "barks" (verb, singular) is (6, 6, 0); it scores 12 against "dog"
+    (noun, singular), 6 against "cats" (a noun) and against itself (singular), 0 against the
+    five others. "them" (pronoun, plural) is the mirror image with "cats"."""
+    ex = the_dog_near_the_cats()
+    T = len(ex.tokens)
+    assert ex.X.shape == (T, 8) and ex.W_q.shape == ex.W_k.shape == (8, 3) and ex.W_v.shape == (8, 2)
+    for array in (ex.X, ex.Q, ex.K, ex.V, ex.W_q, ex.W_k, ex.W_v):
+        assert not array.flags.writeable
+    _, weights = scaled_dot_product_attention(ex.Q, ex.K, ex.V, return_weights=True)
+    r = 1 / math.sqrt(3)
+    peak = math.exp(12 * r) / (math.exp(12 * r) + 2 * math.exp(6 * r) + 5)
+    tok = ex.tokens.index
+    assert weights[tok("barks"), tok("dog")] == pytest.approx(peak, rel=1e-12)
+    assert weights[tok("them"), tok("cats")] == pytest.approx(peak, rel=1e-12)
+    assert round(peak, 3) == 0.937
+    for function_word in (0, 2, 3, 6):  # the, near, the, at: zero queries, even attention
+        np.testing.assert_allclose(weights[function_word], 1 / T, rtol=1e-12)
+    np.testing.assert_array_equal(ex.V[tok("dog")], [1, 0])
+    np.testing.assert_array_equal(ex.V[tok("cats")], [0, 1])

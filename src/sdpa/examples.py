@@ -1,4 +1,4 @@
-"""The worked examples of the source material, as data for the book, the tests and the demo.
+"""Small worked examples with every number given, as data for the book, the tests and the demo.
 
 Each example is a :class:`WorkedExample`: the tokens, their embeddings ``X`` and either the
 projection matrices (``W_q``, ``W_k``, ``W_v``, so ``Q = X W_q``) or the projected matrices
@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["WorkedExample", "the_cat_sleeps", "the_cat_sat_on_mat", "SOFTMAX_SCORES"]
+__all__ = [
+    "WorkedExample",
+    "the_cat_sleeps",
+    "the_cat_sat_on_mat",
+    "the_dog_near_the_cats",
+    "SOFTMAX_SCORES",
+]
 
 #: The scores whose softmax the formula walk-through computes: about [0.659, 0.242, 0.099].
 SOFTMAX_SCORES = (2.0, 1.0, 0.1)
@@ -101,9 +107,8 @@ def the_cat_sleeps() -> WorkedExample:
 def the_cat_sat_on_mat() -> WorkedExample:
     """"the cat sat on mat": five tokens, 4-D embeddings and their projections, batch of one.
 
-    The source lists the embeddings and the already projected ``Q``, ``K`` and ``V`` (rounded
-    to three decimals) but not the weights that produced them, so the projections are given
-    as data. All arrays have shape ``(B, T, D) = (1, 5, 4)``.
+    The embeddings count up in steps of 0.1; the projected ``Q``, ``K`` and ``V`` are given
+    directly, rounded to three decimals, with no projection weights behind them. All arrays have shape ``(B, T, D) = (1, 5, 4)``.
 
     Examples
     --------
@@ -137,3 +142,61 @@ def the_cat_sat_on_mat() -> WorkedExample:
           [-1.201, -6.440, -2.133, -0.179]]]
     )
     return WorkedExample(tokens=("the", "cat", "sat", "on", "mat"), X=X, Q=Q, K=K, V=V)
+
+
+def the_dog_near_the_cats() -> WorkedExample:
+    """"the dog near the cats barks at them": projections built by hand to resolve agreement.
+
+    Each word has eight 0/1 features, the columns of ``X``: noun, pronoun, verb, function word,
+    singular, plural, dog, cat. Keys offer three slots (noun, singular, plural); queries ask for
+    them: pronouns and verbs look for a noun (strength 6) of their own number (strength 6);
+    values carry the meaning of the two nouns (dog, cat). With the scaling by ``sqrt(3)``,
+    *barks* attends to *dog* and *them* to *cats*, each with a weight of about 0.94, and the
+    function words, whose queries are zero, attend evenly. The book builds these matrices step
+    by step on the page "Attention at work".
+
+    Returns
+    -------
+    WorkedExample
+        ``X`` is ``(8, 8)``; ``W_q`` and ``W_k`` are ``(8, 3)``, ``W_v`` is ``(8, 2)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import sdpa
+    >>> from sdpa.examples import the_dog_near_the_cats
+    >>> ex = the_dog_near_the_cats()
+    >>> _, weights = sdpa.scaled_dot_product_attention(ex.Q, ex.K, ex.V, return_weights=True)
+    >>> barks, dog = ex.tokens.index("barks"), ex.tokens.index("dog")
+    >>> round(float(weights[barks, dog]), 3)
+    0.937
+    """
+    #       noun pron verb func sing plur dog cat
+    X = _frozen(
+        [[0, 0, 0, 1, 0, 0, 0, 0],  # the
+         [1, 0, 0, 0, 1, 0, 1, 0],  # dog
+         [0, 0, 0, 1, 0, 0, 0, 0],  # near
+         [0, 0, 0, 1, 0, 0, 0, 0],  # the
+         [1, 0, 0, 0, 0, 1, 0, 1],  # cats
+         [0, 0, 1, 0, 1, 0, 0, 0],  # barks
+         [0, 0, 0, 1, 0, 0, 0, 0],  # at
+         [0, 1, 0, 0, 0, 1, 0, 0]]  # them
+    ).astype(float)
+    W_q = np.zeros((8, 3))  # slots: noun, singular, plural
+    W_q[[1, 2], 0] = 6.0  # pronouns and verbs look for a noun ...
+    W_q[[4, 5], [1, 2]] = 6.0  # ... of their own number
+    W_k = np.zeros((8, 3))
+    W_k[[0, 4, 5], [0, 1, 2]] = 1.0  # a key says: noun, singular, plural
+    W_v = np.zeros((8, 2))
+    W_v[[6, 7], [0, 1]] = 1.0  # a value carries the meaning: dog, cat
+    W_q, W_k, W_v = _frozen(W_q), _frozen(W_k), _frozen(W_v)
+    return WorkedExample(
+        tokens=("the", "dog", "near", "the", "cats", "barks", "at", "them"),
+        X=_frozen(X),
+        Q=_frozen(X @ W_q),
+        K=_frozen(X @ W_k),
+        V=_frozen(X @ W_v),
+        W_q=W_q,
+        W_k=W_k,
+        W_v=W_v,
+    )

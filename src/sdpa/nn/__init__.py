@@ -1,0 +1,61 @@
+"""A small language model in NumPy: Transformer layers with hand-derived gradients, AdamW.
+
+``sdpa.nn`` builds a decoder-only Transformer on top of the attention of ``sdpa``. Every
+piece is a plain function with a partner ``*_backward`` that returns the gradients of
+``sum(d_y * f(...))`` (the vector-Jacobian product backpropagation needs), checked in the tests
+against central finite differences and against ``torch.autograd``.
+
+Functions (``sdpa.nn.functional``)
+    :func:`linear`, :func:`layer_norm`, :func:`rms_norm`, :func:`gelu`, :func:`cross_entropy`
+    and their backward passes; :func:`embedding_backward`.
+Optimiser (``sdpa.nn.optim``)
+    :class:`AdamW`, step for step equal to ``torch.optim.AdamW``.
+Model (``sdpa.nn.model``)
+    :class:`DecoderLM`: forward pass, loss and gradients, generation with a KV cache.
+
+>>> import numpy as np
+>>> from sdpa.nn import AdamW, DecoderLM
+>>> model = DecoderLM(vocab_size=5, d_model=8, n_layers=1, n_heads=2, max_len=8,
+...                   rng=np.random.default_rng(0))
+>>> tokens = np.array([[0, 1, 2, 3, 4, 0, 1, 2]])   # learn to count modulo 5
+>>> inputs, targets = tokens[:, :-1], tokens[:, 1:]
+>>> opt = AdamW(model.params, lr=0.05)
+>>> first = model.loss_and_grads(inputs, targets)[0]
+>>> for _ in range(50):
+...     loss, grads = model.loss_and_grads(inputs, targets)
+...     opt.step(grads)
+>>> loss < 0.05 < first
+True
+"""
+
+from .functional import (
+    cross_entropy,
+    cross_entropy_backward,
+    embedding_backward,
+    gelu,
+    gelu_backward,
+    layer_norm,
+    layer_norm_backward,
+    linear,
+    linear_backward,
+    rms_norm,
+    rms_norm_backward,
+)
+from .model import DecoderLM
+from .optim import AdamW
+
+__all__ = [
+    "AdamW",
+    "DecoderLM",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "embedding_backward",
+    "gelu",
+    "gelu_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "linear",
+    "linear_backward",
+    "rms_norm",
+    "rms_norm_backward",
+]

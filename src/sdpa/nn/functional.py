@@ -1,0 +1,785 @@
+r"""The pieces of a Transformer other than attention, as functions with hand-derived gradients.
+
+Every forward function ``f`` has a partner ``f_backward(d_y, *inputs)`` that returns the
+gradients of the scalar ``L = sum(d_y * f(*inputs))`` with respect to the inputs: the
+vector-Jacobian product that backpropagation needs, where ``d_y = dL/dy`` arrives from the layer
+above. The loss :func:`cross_entropy` is where backpropagation starts, so its backward takes no
+``d_y`` (the gradient of the loss with respect to itself is 1).
+
+Shape letters: ``E`` feature width (``in``/``out`` for a linear map), ``V`` vocabulary size.
+Leading dimensions ``...`` are anything (batch, time, heads); parameters are shared across them,
+so their gradients are sums over the leading dimensions.
+
+**Dtypes.** float32 and float64 inputs give outputs of the common dtype (``np.result_type``),
+computed in it; float16 is computed in float32 and returned as float16; integer and bool inputs
+are computed in float64. Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from .._checks import as_float_array, check_nonneg_int, compute_dtype
+from .. import log_softmax, softmax
+
+__all__ = [
+    "cross_entropy",
+    "cross_entropy_backward",
+    "embedding_backward",
+    "gelu",
+    "gelu_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "linear",
+    "linear_backward",
+    "rms_norm",
+    "rms_norm_backward",
+]
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared by the functions of this module
+# ---------------------------------------------------------------------------------------------
+
+
+def _floats(**arrays) -> tuple[list[np.ndarray], np.dtype]:
+    """Convert the named arrays (None passes through) to their working dtype; return it too."""
+    converted = {name: None if a is None else as_float_array(a, name) for name, a in arrays.items()}
+    present = [a for a in converted.values() if a is not None]
+    out_dtype, work_dtype = compute_dtype(*present)
+    work = [None if a is None else a.astype(work_dtype, copy=False) for a in converted.values()]
+    return work, out_dtype
+
+
+def _check_features(x: np.ndarray, name: str) -> int:
+    """``x`` must be ``(..., E)`` with ``E >= 1``; return ``E``."""
+    if x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must have at least one dimension and a non-empty last axis (..., E); "
+            f"got {name}.shape={x.shape}"
+        )
+    return x.shape[-1]
+
+
+def _check_vector(a: np.ndarray | None, name: str, size: int, of: str) -> None:
+    if a is not None and a.shape != (size,):
+        raise ValueError(f"{name} must have shape ({size},), the last axis of {of}; "
+                         f"got {name}.shape={a.shape}")
+
+
+def _check_grad_shape(d_y: np.ndarray, shape: tuple[int, ...], what: str) -> None:
+    if d_y.shape != shape:
+        raise ValueError(
+            f"d_y must have the shape of the forward result {what}, {shape}; "
+            f"got d_y.shape={d_y.shape}"
+        )
+
+
+def _check_eps(eps) -> float:
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, Real):
+        raise TypeError(f"eps must be a real number; got {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite number; got {eps!r}")
+    return float(eps)
+
+
+def _check_approximate(approximate) -> str:
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'none' or 'tanh'; got {approximate!r}")
+    return approximate
+
+
+def _check_indices(indices: ArrayLike, name: str, shape: tuple[int, ...], size: int,
+                   ignore_index: int | None = None) -> np.ndarray:
+    """Integer indices of the given shape, each in ``[0, size)`` or equal to ``ignore_index``."""
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array; got dtype {idx.dtype}")
+    if idx.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {name}.shape={idx.shape}")
+    valid = (idx >= 0) & (idx < size)
+    if ignore_index is not None:
+        valid |= idx == ignore_index
+    if not valid.all():
+        bad = idx[~valid].flat[0]
+        raise ValueError(f"{name} must lie in [0, {size}); got the value {bad}")
+    return idx
+
+
+def _sum_leading(a: np.ndarray) -> np.ndarray:
+    """Sum over every axis but the last: the gradient of a parameter shared by all rows."""
+    return a.reshape(-1, a.shape[-1]).sum(axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear map
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear_args(x, weight, bias):
+    (x, weight, bias), out_dtype = _floats(x=x, weight=weight, bias=bias)
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D (in, out); got weight.shape={weight.shape}")
+    if x.ndim == 0 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"the last axis of x must equal the rows of weight (in, out); "
+            f"got x.shape={x.shape}, weight.shape={weight.shape}"
+        )
+    _check_vector(bias, "bias", weight.shape[1], "the result (the columns of weight)")
+    return x, weight, bias, out_dtype
+
+
+def linear(x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None) -> np.ndarray:
+    """Affine map of the last axis: ``x @ weight + bias``.
+
+    Parameters
+    ----------
+    x : (..., in) array_like
+    weight : (in, out) array_like
+        Stored input-major, so the map is one matrix product (``torch.nn.Linear`` stores the
+        transpose, ``(out, in)``).
+    bias : (out,) array_like, optional
+
+    Returns
+    -------
+    y : (..., out) np.ndarray
+
+    Raises
+    ------
+    TypeError
+        If an input is complex or not numeric.
+    ValueError
+        If ``weight`` is not 2-D, ``x``'s last axis is not ``in``, or ``bias`` is not ``(out,)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import linear
+    >>> x = np.array([[1.0, 2.0]])             # (T=1, in=2)
+    >>> W = np.array([[1.0, 0, 1], [0, 1, 1]])  # (in=2, out=3)
+    >>> linear(x, W, bias=np.array([0.5, 0, 0]))
+    array([[1.5, 2. , 3. ]])
+    """
+    x, weight, bias, out_dtype = _linear_args(x, weight, bias)
+    y = x @ weight  # (..., in) @ (in, out) -> (..., out)
+    if bias is not None:
+        y = y + bias
+    return y.astype(out_dtype, copy=False)
+
+
+def linear_backward(
+    d_y: ArrayLike, x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    r"""Gradients of ``sum(d_y * linear(x, weight, bias))``.
+
+    Parameters
+    ----------
+    d_y : (..., out) array_like
+        Gradient with respect to the result.
+    x, weight, bias
+        As in :func:`linear`.
+
+    Returns
+    -------
+    d_x : (..., in) np.ndarray
+        ``d_y @ weight.T``.
+    d_weight : (in, out) np.ndarray
+        ``x^T d_y`` summed over the leading dimensions.
+    d_bias : (out,) np.ndarray or None
+        ``d_y`` summed over the leading dimensions; None when there is no bias.
+
+    Raises
+    ------
+    TypeError
+        As :func:`linear`.
+    ValueError
+        As :func:`linear`; also if ``d_y`` does not have the result's shape.
+
+    Notes
+    -----
+    With the rows of ``x`` stacked into a matrix :math:`X` (all leading dimensions flattened),
+    :math:`Y = XW + b` gives :math:`dX = dY\,W^\top`, :math:`dW = X^\top dY` and
+    :math:`db = \mathbf{1}^\top dY`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import linear_backward
+    >>> x = np.array([[1.0, 2.0], [3.0, 4.0]])  # (T=2, in=2)
+    >>> W = np.eye(2)
+    >>> d_x, d_W, d_b = linear_backward(np.ones((2, 2)), x, W, np.zeros(2))
+    >>> d_W  # column sums of x, once per output
+    array([[4., 4.],
+           [6., 6.]])
+    >>> d_b  # one per row of x
+    array([2., 2.])
+    """
+    x, weight, bias, out_dtype = _linear_args(x, weight, bias)
+    (d_y,), _ = _floats(d_y=d_y)
+    d_y = d_y.astype(x.dtype, copy=False)
+    _check_grad_shape(d_y, (*x.shape[:-1], weight.shape[1]), "(..., out)")
+    d_x = d_y @ weight.T  # (..., out) @ (out, in) -> (..., in)
+    x2 = x.reshape(-1, weight.shape[0])  # (N, in), N = product of the leading dimensions
+    d_y2 = d_y.reshape(-1, weight.shape[1])  # (N, out)
+    d_weight = x2.T @ d_y2  # (in, N) @ (N, out) -> (in, out)
+    d_bias = None if bias is None else d_y2.sum(axis=0).astype(out_dtype, copy=False)
+    return d_x.astype(out_dtype, copy=False), d_weight.astype(out_dtype, copy=False), d_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisations
+# ---------------------------------------------------------------------------------------------
+
+
+def _norm_args(x, weight, bias, eps):
+    eps = _check_eps(eps)
+    (x, weight, bias), out_dtype = _floats(x=x, weight=weight, bias=bias)
+    E = _check_features(x, "x")
+    _check_vector(weight, "weight", E, "x")
+    _check_vector(bias, "bias", E, "x")
+    return x, weight, bias, eps, out_dtype
+
+
+def _layer_norm_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(x_hat, rstd)``: the normalised rows and ``1 / sqrt(var + eps)``, ``(..., 1)``."""
+    centred = x - x.mean(axis=-1, keepdims=True)
+    var = np.mean(centred * centred, axis=-1, keepdims=True)  # biased, as the forward uses
+    rstd = 1.0 / np.sqrt(var + x.dtype.type(eps))
+    return centred * rstd, rstd
+
+
+def layer_norm(
+    x: ArrayLike, weight: ArrayLike, bias: ArrayLike, *, eps: float = 1e-5
+) -> np.ndarray:
+    r"""Layer normalisation over the last axis, ``(x - mean) / sqrt(var + eps) * weight + bias``.
+
+    The same numbers as ``torch.nn.functional.layer_norm(x, (E,), weight, bias, eps)``.
+
+    Parameters
+    ----------
+    x : (..., E) array_like
+    weight : (E,) array_like
+        Per-feature gain (often called gamma).
+    bias : (E,) array_like
+        Per-feature shift (beta).
+    eps : float, default 1e-5
+        Added to the variance, so a constant row does not divide by zero.
+
+    Returns
+    -------
+    y : (..., E) np.ndarray
+
+    Raises
+    ------
+    TypeError
+        If an input is complex or not numeric, or ``eps`` is not a real number.
+    ValueError
+        If ``x`` has no axis or an empty last axis, ``weight`` or ``bias`` is not ``(E,)``,
+        or ``eps`` is not positive and finite.
+
+    Notes
+    -----
+    Each row :math:`x \in \mathbb{R}^E` has mean :math:`\mu` and *biased* variance
+    :math:`\sigma^2 = \frac1E \sum_i (x_i - \mu)^2`; then
+    :math:`\hat x = (x - \mu)/\sqrt{\sigma^2 + \varepsilon}` and :math:`y = w \odot \hat x + b`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import layer_norm
+    >>> x = np.array([[1.0, 2.0, 3.0, 6.0]])
+    >>> y = layer_norm(x, np.ones(4), np.zeros(4))
+    >>> np.round(y, 3)
+    array([[-1.069, -0.535,  0.   ,  1.604]])
+    >>> float(np.round(y.mean(), 12)), float(np.round(y.var(), 4))  # mean 0, variance ~1
+    (0.0, 1.0)
+    """
+    x, weight, bias, eps, out_dtype = _norm_args(x, weight, bias, eps)
+    x_hat, _ = _layer_norm_stats(x, eps)
+    return (x_hat * weight + bias).astype(out_dtype, copy=False)
+
+
+def layer_norm_backward(
+    d_y: ArrayLike, x: ArrayLike, weight: ArrayLike, bias: ArrayLike, *, eps: float = 1e-5
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    r"""Gradients of ``sum(d_y * layer_norm(x, weight, bias, eps=eps))``.
+
+    Parameters
+    ----------
+    d_y : (..., E) array_like
+        Gradient with respect to the result.
+    x, weight, bias, eps
+        As in :func:`layer_norm`.
+
+    Returns
+    -------
+    d_x : (..., E) np.ndarray
+    d_weight : (E,) np.ndarray
+        ``sum(d_y * x_hat)`` over the leading dimensions.
+    d_bias : (E,) np.ndarray
+        ``sum(d_y)`` over the leading dimensions.
+
+    Raises
+    ------
+    TypeError
+        As :func:`layer_norm`.
+    ValueError
+        As :func:`layer_norm`; also if ``d_y`` does not have the shape of ``x``.
+
+    Notes
+    -----
+    With :math:`g = w \odot dy` (the gradient reaching :math:`\hat x`) and
+    :math:`r = 1/\sqrt{\sigma^2 + \varepsilon}`, per row
+
+    .. math:: dx = r \left( g - \operatorname{mean}(g)
+                   - \hat x \operatorname{mean}(g \odot \hat x) \right).
+
+    The two means remove what the normalisation removed: a shift of all features (the
+    mean) and a rescaling of the row (the variance) do not change :math:`\hat x`, so the
+    gradient has no component along :math:`\mathbf 1` or along :math:`\hat x`.
+
+    Examples
+    --------
+    The gradient with respect to ``x`` sums to zero along each row (adding a constant to a row
+    changes nothing):
+
+    >>> import numpy as np
+    >>> from sdpa.nn import layer_norm_backward
+    >>> rng = np.random.default_rng(0)
+    >>> x, d_y = rng.standard_normal((2, 3, 5))
+    >>> d_x, d_w, d_b = layer_norm_backward(d_y, x, np.ones(5), np.zeros(5))
+    >>> np.round(d_x.sum(axis=-1), 12) + 0.0
+    array([0., 0., 0.])
+    """
+    x, weight, bias, eps, out_dtype = _norm_args(x, weight, bias, eps)
+    (d_y,), _ = _floats(d_y=d_y)
+    d_y = d_y.astype(x.dtype, copy=False)
+    _check_grad_shape(d_y, x.shape, "(..., E)")
+    x_hat, rstd = _layer_norm_stats(x, eps)
+    g = d_y * weight  # gradient reaching x_hat
+    d_x = rstd * (
+        g - g.mean(axis=-1, keepdims=True) - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True)
+    )
+    d_weight = _sum_leading(d_y * x_hat)
+    d_bias = _sum_leading(d_y)
+    return tuple(a.astype(out_dtype, copy=False) for a in (d_x, d_weight, d_bias))
+
+
+def _rms_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(x_hat, rrms)`` with ``rrms = 1 / sqrt(mean(x^2) + eps)``, ``(..., 1)``."""
+    rrms = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps))
+    return x * rrms, rrms
+
+
+def rms_norm(x: ArrayLike, weight: ArrayLike, *, eps: float = 1e-6) -> np.ndarray:
+    r"""Root-mean-square normalisation over the last axis, ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    The same numbers as ``torch.nn.functional.rms_norm(x, (E,), weight, eps)``: layer
+    normalisation without the centring and without the bias (Zhang and Sennrich, 2019), as in
+    LLaMA-family models.
+
+    Parameters
+    ----------
+    x : (..., E) array_like
+    weight : (E,) array_like
+        Per-feature gain.
+    eps : float, default 1e-6
+        Added to the mean square.
+
+    Returns
+    -------
+    y : (..., E) np.ndarray
+
+    Raises
+    ------
+    TypeError
+        If an input is complex or not numeric, or ``eps`` is not a real number.
+    ValueError
+        If ``x`` has no axis or an empty last axis, ``weight`` is not ``(E,)``, or ``eps``
+        is not positive and finite.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import rms_norm
+    >>> y = rms_norm(np.array([3.0, 4.0]), np.ones(2), eps=1e-12)  # rms = sqrt(12.5)
+    >>> np.round(y, 4)
+    array([0.8485, 1.1314])
+    >>> float(np.round(np.mean(y**2), 8))  # the result has mean square 1
+    1.0
+    """
+    x, weight, _, eps, out_dtype = _norm_args(x, weight, None, eps)
+    x_hat, _ = _rms_stats(x, eps)
+    return (x_hat * weight).astype(out_dtype, copy=False)
+
+
+def rms_norm_backward(
+    d_y: ArrayLike, x: ArrayLike, weight: ArrayLike, *, eps: float = 1e-6
+) -> tuple[np.ndarray, np.ndarray]:
+    r"""Gradients of ``sum(d_y * rms_norm(x, weight, eps=eps))``.
+
+    Parameters
+    ----------
+    d_y : (..., E) array_like
+        Gradient with respect to the result.
+    x, weight, eps
+        As in :func:`rms_norm`.
+
+    Returns
+    -------
+    d_x : (..., E) np.ndarray
+    d_weight : (E,) np.ndarray
+        ``sum(d_y * x_hat)`` over the leading dimensions.
+
+    Raises
+    ------
+    TypeError
+        As :func:`rms_norm`.
+    ValueError
+        As :func:`rms_norm`; also if ``d_y`` does not have the shape of ``x``.
+
+    Notes
+    -----
+    With :math:`g = w \odot dy` and :math:`r = 1/\sqrt{\operatorname{mean}(x^2) + \varepsilon}`,
+    per row :math:`dx = r\,(g - \hat x \operatorname{mean}(g \odot \hat x))`: the layer-norm
+    formula without the term for the mean, which RMS normalisation does not subtract.
+
+    Examples
+    --------
+    Scaling a row does not change its normalisation (up to ``eps``), so the gradient is
+    orthogonal to the row itself:
+
+    >>> import numpy as np
+    >>> from sdpa.nn import rms_norm_backward
+    >>> rng = np.random.default_rng(0)
+    >>> x, d_y = rng.standard_normal((2, 4))
+    >>> d_x, d_w = rms_norm_backward(d_y, x, np.ones(4), eps=1e-12)
+    >>> float(np.round(d_x @ x, 10)) + 0.0
+    0.0
+    """
+    x, weight, _, eps, out_dtype = _norm_args(x, weight, None, eps)
+    (d_y,), _ = _floats(d_y=d_y)
+    d_y = d_y.astype(x.dtype, copy=False)
+    _check_grad_shape(d_y, x.shape, "(..., E)")
+    x_hat, rrms = _rms_stats(x, eps)
+    g = d_y * weight
+    d_x = rrms * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
+    d_weight = _sum_leading(d_y * x_hat)
+    return d_x.astype(out_dtype, copy=False), d_weight.astype(out_dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# GELU
+# ---------------------------------------------------------------------------------------------
+
+_erf = np.frompyfunc(math.erf, 1, 1)  # the C library's erf, element by element (NumPy has none)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_TANH_CUBIC = 0.044715  # the constant of Hendrycks and Gimpel's tanh approximation
+
+
+def _gelu_args(x, approximate):
+    approximate = _check_approximate(approximate)
+    (x,), out_dtype = _floats(x=x)
+    return x, approximate, out_dtype
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    """Phi(x) = (1 + erf(x / sqrt 2)) / 2, computed in float64, returned in x's dtype."""
+    erf = _erf(x.astype(np.float64) / math.sqrt(2.0)).astype(np.float64)
+    return (0.5 * (1.0 + erf)).astype(x.dtype, copy=False)
+
+
+def gelu(x: ArrayLike, *, approximate: str = "none") -> np.ndarray:
+    r"""The Gaussian error linear unit, ``x * Phi(x)`` (Hendrycks and Gimpel, 2016).
+
+    The same numbers as ``torch.nn.functional.gelu(x, approximate=approximate)``.
+
+    Parameters
+    ----------
+    x : array_like
+        Any shape.
+    approximate : {"none", "tanh"}, default "none"
+        ``"none"``: the exact ``x * Phi(x)``, with ``Phi`` the standard normal distribution
+        function. ``"tanh"``: ``x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``, the
+        approximation GPT-2 uses; it differs from the exact function by less than 5e-4.
+
+    Returns
+    -------
+    y : np.ndarray
+        Same shape as ``x``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is complex or not numeric.
+    ValueError
+        If ``approximate`` is neither ``"none"`` nor ``"tanh"``.
+
+    Notes
+    -----
+    The exact form evaluates ``erf`` element by element through Python's ``math.erf``
+    (NumPy has no vectorised ``erf``), which is slower than the ``tanh`` form on large arrays;
+    :class:`sdpa.nn.DecoderLM` uses the ``tanh`` form.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import gelu
+    >>> x = np.array([-3.0, -1.0, 0.0, 1.0, 3.0])
+    >>> np.round(gelu(x), 4)  # almost 0 for negative x, almost x for positive x
+    array([-0.004 , -0.1587,  0.    ,  0.8413,  2.996 ])
+    >>> float(np.abs(gelu(x) - gelu(x, approximate="tanh")).max()) < 5e-4
+    True
+    """
+    x, approximate, out_dtype = _gelu_args(x, approximate)
+    if approximate == "tanh":
+        inner = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
+        y = 0.5 * x * (1.0 + np.tanh(inner))
+    else:
+        y = x * _normal_cdf(x)
+    return y.astype(out_dtype, copy=False)
+
+
+def gelu_backward(d_y: ArrayLike, x: ArrayLike, *, approximate: str = "none") -> np.ndarray:
+    r"""Gradient of ``sum(d_y * gelu(x, approximate=approximate))`` with respect to ``x``.
+
+    Parameters
+    ----------
+    d_y : array_like
+        Gradient with respect to the result, shaped like ``x``.
+    x, approximate
+        As in :func:`gelu`.
+
+    Returns
+    -------
+    d_x : np.ndarray
+        ``d_y * gelu'(x)``.
+
+    Raises
+    ------
+    TypeError
+        As :func:`gelu`.
+    ValueError
+        As :func:`gelu`; also if ``d_y`` does not have the shape of ``x``.
+
+    Notes
+    -----
+    Exact: :math:`\frac{d}{dx}\,x\Phi(x) = \Phi(x) + x\varphi(x)` with
+    :math:`\varphi(x) = e^{-x^2/2}/\sqrt{2\pi}`. With :math:`u = \sqrt{2/\pi}(x + 0.044715x^3)`,
+    the tanh form has derivative
+    :math:`\tfrac12(1 + \tanh u)
+    + \tfrac12 x (1 - \tanh^2 u)\sqrt{2/\pi}(1 + 3 \cdot 0.044715 x^2)`.
+
+    Examples
+    --------
+    The slope is 1/2 at 0, tends to 1 for large ``x`` and to 0 for very negative ``x``:
+
+    >>> import numpy as np
+    >>> from sdpa.nn import gelu_backward
+    >>> x = np.array([-10.0, 0.0, 10.0])
+    >>> np.round(gelu_backward(np.ones(3), x), 6) + 0.0
+    array([0. , 0.5, 1. ])
+    """
+    x, approximate, out_dtype = _gelu_args(x, approximate)
+    (d_y,), _ = _floats(d_y=d_y)
+    d_y = d_y.astype(x.dtype, copy=False)
+    _check_grad_shape(d_y, x.shape, "(the shape of x)")
+    if approximate == "tanh":
+        th = np.tanh(_SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x))
+        slope = 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * _SQRT_2_OVER_PI * (
+            1.0 + 3.0 * _TANH_CUBIC * x * x
+        )
+    else:
+        density = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+        slope = _normal_cdf(x) + x * density
+    return (d_y * slope).astype(out_dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and embedding
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_ignore_index(ignore_index) -> int | None:
+    if ignore_index is None:
+        return None
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, Integral):
+        raise TypeError(f"ignore_index must be an integer or None; got {ignore_index!r}")
+    return int(ignore_index)
+
+
+def _cross_entropy_args(logits, targets, ignore_index):
+    ignore_index = _check_ignore_index(ignore_index)
+    (logits,), out_dtype = _floats(logits=logits)
+    V = _check_features(logits, "logits")
+    targets = _check_indices(targets, "targets", logits.shape[:-1], V, ignore_index)
+    if ignore_index is None:
+        counted = np.ones(targets.shape, dtype=bool)
+    else:
+        counted = targets != ignore_index
+    n = int(counted.sum())
+    if n == 0:
+        raise ValueError(
+            f"every target equals ignore_index={ignore_index}, so the mean loss is undefined "
+            "(PyTorch returns nan); give at least one target to count"
+        )
+    return logits, targets, counted, n, out_dtype
+
+
+def cross_entropy(
+    logits: ArrayLike, targets: ArrayLike, *, ignore_index: int | None = None
+) -> float:
+    r"""Mean negative log-likelihood of the targets under ``softmax(logits)``.
+
+    The same number as ``torch.nn.functional.cross_entropy(logits.reshape(-1, V),
+    targets.reshape(-1), ignore_index=...)`` with ``reduction="mean"``. The classes sit on the
+    *last* axis here (PyTorch wants them on axis 1), which is the layout of a language model's
+    ``(B, T, V)`` logits.
+
+    Parameters
+    ----------
+    logits : (..., V) array_like
+        Unnormalised log-probabilities over ``V`` classes.
+    targets : (...) array_like of int
+        The correct class of each row, in ``[0, V)``, or ``ignore_index``.
+    ignore_index : int, optional
+        Rows whose target equals it are left out of the loss and of the mean's denominator
+        (padding).
+
+    Returns
+    -------
+    loss : float
+        ``-mean(log_softmax(logits)[..., targets])`` over the counted rows, in nats.
+
+    Raises
+    ------
+    TypeError
+        If ``logits`` is complex or not numeric, ``targets`` is not an integer array, or
+        ``ignore_index`` is not an integer.
+    ValueError
+        If ``logits`` has no axis or no classes, ``targets`` does not have the shape
+        ``logits.shape[:-1]``, a target is out of range, or every target is ignored.
+
+    Notes
+    -----
+    The log-probabilities come from :func:`sdpa.log_softmax`, which subtracts the row maximum
+    first, so large logits do not overflow. A model that predicts uniformly has loss
+    :math:`\log V`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import cross_entropy
+    >>> logits = np.zeros((2, 4))  # uniform over V = 4 classes: loss log 4
+    >>> round(cross_entropy(logits, np.array([0, 3])), 6) == round(float(np.log(4)), 6)
+    True
+    >>> logits = np.array([[10.0, 0.0], [0.0, 10.0]])
+    >>> round(cross_entropy(logits, np.array([0, -1]), ignore_index=-1), 6)  # confident, right
+    4.5e-05
+    """
+    logits, targets, counted, n, _ = _cross_entropy_args(logits, targets, ignore_index)
+    log_p = log_softmax(logits.reshape(-1, logits.shape[-1]), axis=-1)  # (N, V)
+    rows = np.flatnonzero(counted)  # the counted rows of the flattened (N,) targets
+    return float(-log_p[rows, targets.reshape(-1)[rows]].sum() / n)
+
+
+def cross_entropy_backward(
+    logits: ArrayLike, targets: ArrayLike, *, ignore_index: int | None = None
+) -> np.ndarray:
+    r"""Gradient of :func:`cross_entropy` with respect to the logits.
+
+    Parameters
+    ----------
+    logits, targets, ignore_index
+        As in :func:`cross_entropy`.
+
+    Returns
+    -------
+    d_logits : (..., V) np.ndarray
+        ``(softmax(logits) - onehot(targets)) / n`` on counted rows, with ``n`` their number;
+        zero on ignored rows.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cross_entropy`.
+
+    Notes
+    -----
+    For one row, :math:`L = -z_t + \log\sum_j e^{z_j}` gives :math:`\partial L / \partial z_j
+    = p_j - [j = t]`: the predicted probabilities minus the one-hot target. Each row of the
+    gradient sums to zero.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import cross_entropy_backward
+    >>> cross_entropy_backward(np.zeros((2, 4)), np.array([0, 3]))  # p = 1/4, n = 2
+    array([[-0.375,  0.125,  0.125,  0.125],
+           [ 0.125,  0.125,  0.125, -0.375]])
+    """
+    logits, targets, counted, n, out_dtype = _cross_entropy_args(logits, targets, ignore_index)
+    d_logits = softmax(logits.reshape(-1, logits.shape[-1]), axis=-1)  # (N, V), a new array
+    rows = np.flatnonzero(counted)
+    d_logits[rows, targets.reshape(-1)[rows]] -= 1.0
+    d_logits[~counted.reshape(-1)] = 0.0
+    d_logits /= n
+    return d_logits.reshape(logits.shape).astype(out_dtype, copy=False)
+
+
+def embedding_backward(d_out: ArrayLike, indices: ArrayLike, num_embeddings: int) -> np.ndarray:
+    r"""Gradient of ``sum(d_out * table[indices])`` with respect to ``table``.
+
+    An embedding lookup copies row ``indices[i]`` of a ``(num_embeddings, E)`` table into
+    output row ``i``; its backward adds each output row's gradient into the table row it came
+    from. A token that appears several times receives the sum of the gradients of all its
+    occurrences; rows that were never looked up receive zero.
+
+    Parameters
+    ----------
+    d_out : (..., E) array_like
+        Gradient with respect to the looked-up rows.
+    indices : (...) array_like of int
+        The row each output came from, in ``[0, num_embeddings)``.
+    num_embeddings : int
+        Number of rows of the table.
+
+    Returns
+    -------
+    d_table : (num_embeddings, E) np.ndarray
+
+    Raises
+    ------
+    TypeError
+        If ``d_out`` is complex or not numeric, ``indices`` is not an integer array, or
+        ``num_embeddings`` is not an integer.
+    ValueError
+        If ``d_out`` has no axis, ``num_embeddings`` is negative, ``indices`` does not have
+        the shape ``d_out.shape[:-1]``, or an index is out of range.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import embedding_backward
+    >>> d_out = np.array([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]])  # three lookups, E = 2
+    >>> embedding_backward(d_out, np.array([2, 0, 2]), 4)  # row 2 used twice: 1 + 4
+    array([[2., 2.],
+           [0., 0.],
+           [5., 5.],
+           [0., 0.]])
+    """
+    num_embeddings = check_nonneg_int(num_embeddings, "num_embeddings")
+    (d_out,), out_dtype = _floats(d_out=d_out)
+    if d_out.ndim == 0:
+        raise ValueError("d_out must have at least one dimension (..., E); got a 0-d array")
+    idx = _check_indices(indices, "indices", d_out.shape[:-1], num_embeddings)
+    E = d_out.shape[-1]
+    d_table = np.zeros((num_embeddings, E), dtype=d_out.dtype)
+    np.add.at(d_table, idx.reshape(-1), d_out.reshape(-1, E))  # unbuffered: repeats accumulate
+    return d_table.astype(out_dtype, copy=False)

@@ -1,0 +1,416 @@
+"""sdpa.nn.DecoderLM: every parameter's gradient against central finite differences in each
+configuration, generation with and without the KV cache, causality, and every ``raise``.
+
+The models are tiny (V = 7, E = 8, two blocks, T = 5), so the finite differences of every
+parameter of eight configurations take a few seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from sdpa import nn
+
+V, E, MAX_LEN = 7, 8, 6
+CONFIGS = {
+    "rope-layer": dict(positional="rope", norm="layer"),
+    "sinusoidal-rms": dict(positional="sinusoidal", norm="rms"),
+    "learned-layer": dict(positional="learned", norm="layer"),
+    "none-rms": dict(positional=None, norm="rms"),
+    "gqa-rope": dict(positional="rope", n_heads=4, n_kv_heads=2),
+    "mqa-learned-rms": dict(positional="learned", norm="rms", n_heads=2, n_kv_heads=1),
+    "attention-only-rope": dict(positional="rope", attention_only=True),
+    "attention-only-gqa-sinusoidal": dict(positional="sinusoidal", attention_only=True,
+                                          n_heads=4, n_kv_heads=2),
+}
+
+
+def make_model(seed=0, **overrides):
+    config = dict(vocab_size=V, d_model=E, n_layers=2, n_heads=2, d_ff=12, max_len=MAX_LEN,
+                  rng=np.random.default_rng(seed))
+    config.update(overrides)
+    model = nn.DecoderLM(**config)
+    # Random norm gains and biases, so that their gradients are not tested at a special point.
+    rng = np.random.default_rng(seed + 1)
+    for name, p in model.params.items():
+        if "norm" in name:
+            p += 0.3 * rng.standard_normal(p.shape).astype(p.dtype)
+    return model
+
+
+@pytest.fixture
+def batch(rng):
+    tokens = rng.integers(0, V, size=(2, 5))
+    targets = rng.integers(0, V, size=(2, 5))
+    return tokens, targets
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def central_difference(model, tokens, targets, name, direction, eps=1e-6):
+    """d loss / d t of loss(params[name] + t * direction) at t = 0, by a central difference;
+    the loss from forward() alone, independent of the backward pass."""
+    p = model.params[name]
+    saved = p.copy()
+    losses = []
+    for sign in (1.0, -1.0):
+        p[...] = saved + sign * eps * direction
+        losses.append(nn.cross_entropy(model.forward(tokens), targets))
+    p[...] = saved
+    return (losses[0] - losses[1]) / (2 * eps)
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_loss_and_grads_match_finite_differences(config, batch):
+    """Every parameter: entries one at a time (all of them for small arrays, 6 random ones
+    otherwise) and one random direction through the whole array."""
+    model = make_model(**config)
+    tokens, targets = batch
+    loss, grads = model.loss_and_grads(tokens, targets)
+    assert loss == pytest.approx(nn.cross_entropy(model.forward(tokens), targets), rel=1e-14)
+    assert list(grads) == list(model.params)
+    pick = np.random.default_rng(1)
+    for name, g in grads.items():
+        p = model.params[name]
+        assert g.shape == p.shape and g.dtype == np.float64, name
+        entries = range(p.size) if p.size <= 8 else pick.choice(p.size, 6, replace=False)
+        for flat in entries:
+            e = np.zeros(p.size)
+            e[flat] = 1.0
+            numeric = central_difference(model, tokens, targets, name, e.reshape(p.shape))
+            assert g.flat[flat] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, flat)
+        u = pick.standard_normal(p.shape)
+        numeric = central_difference(model, tokens, targets, name, u)
+        assert np.sum(g * u) == pytest.approx(numeric, rel=1e-6, abs=1e-8), name
+
+
+def test_every_parameter_gets_a_gradient(batch):
+    """No parameter is left out of the backward pass (a zero gradient would also pass the
+    finite differences if the parameter were unused by the forward pass)."""
+    model = make_model(**CONFIGS["learned-layer"])
+    tokens, targets = batch
+    _, grads = model.loss_and_grads(tokens, targets)
+    unused_rows = {"token_embedding": np.setdiff1d(np.arange(V), tokens),
+                   "position_embedding": np.arange(tokens.shape[1], MAX_LEN)}
+    for name, g in grads.items():
+        used = np.delete(g, unused_rows.get(name, []), axis=0)
+        assert np.all(used != 0), name
+        if name in unused_rows:
+            np.testing.assert_array_equal(g[unused_rows[name]], 0.0)
+
+
+def test_float32_model_agrees_with_float64(batch):
+    tokens, targets = batch
+    m64 = make_model(**CONFIGS["gqa-rope"])
+    m32 = make_model(**CONFIGS["gqa-rope"], dtype=np.float32)
+    m32.params = {name: p.astype(np.float32) for name, p in m64.params.items()}
+    loss64, grads64 = m64.loss_and_grads(tokens, targets)
+    loss32, grads32 = m32.loss_and_grads(tokens, targets)
+    assert loss32 == pytest.approx(loss64, rel=1e-5)
+    for name, g in grads32.items():
+        assert g.dtype == np.float32, name
+        np.testing.assert_allclose(g, grads64[name], rtol=1e-3, atol=1e-5, err_msg=name)
+
+
+def test_training_reduces_the_loss():
+    """Twenty AdamW steps on one repeated sequence drive the loss far below log V."""
+    model = make_model(**CONFIGS["rope-layer"])
+    tokens = np.array([[0, 1, 2, 3, 4, 5]])
+    opt = nn.AdamW(model.params, lr=0.05)
+    first, _ = model.loss_and_grads(tokens[:, :-1], tokens[:, 1:])
+    for _ in range(20):
+        loss, grads = model.loss_and_grads(tokens[:, :-1], tokens[:, 1:])
+        opt.step(grads)
+    assert first > 0.5 * np.log(V) and loss < 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward properties
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_causal_the_future_does_not_change_the_past(config, rng):
+    model = make_model(**config)
+    a = rng.integers(0, V, size=6)
+    b = a.copy()
+    b[4:] = (b[4:] + 1) % V  # change the last two tokens
+    np.testing.assert_allclose(model.forward(a)[:4], model.forward(b)[:4], rtol=1e-13, atol=1e-13)
+    assert not np.allclose(model.forward(a)[4:], model.forward(b)[4:])
+
+
+def test_attention_weights_are_causal_distributions(rng):
+    model = make_model(**CONFIGS["gqa-rope"])
+    logits, weights = model.forward(rng.integers(0, V, size=(3, 5)), return_attention=True)
+    assert logits.shape == (3, 5, V) and len(weights) == 2
+    for w in weights:
+        assert w.shape == (3, 4, 5, 5)
+        np.testing.assert_allclose(w.sum(axis=-1), 1.0, rtol=1e-14)
+        np.testing.assert_array_equal(np.triu(w, k=1), 0.0)
+
+
+def test_one_dimensional_tokens_are_one_sequence(rng):
+    model = make_model()
+    tokens = rng.integers(0, V, size=5)
+    logits, weights = model.forward(tokens, return_attention=True)
+    batched, batched_weights = model.forward(tokens[None], return_attention=True)
+    np.testing.assert_array_equal(logits, batched[0])
+    np.testing.assert_array_equal(weights[1], batched_weights[1][0])
+
+
+def test_zeroing_a_blocks_output_rows_removes_the_block(rng):
+    """The documented ablation: with every head of block 1 zeroed in w_o, an attention-only
+    model computes what the one-block model with the same other parameters computes."""
+    model = make_model(**CONFIGS["attention-only-rope"])
+    ablated = copy.deepcopy(model)
+    ablated.params["blocks.1.attn.w_o"][:] = 0.0
+    one_block = make_model(**CONFIGS["attention-only-rope"], n_layers=1)
+    one_block.params = {name: model.params[name] for name in one_block.params}
+    tokens = rng.integers(0, V, size=5)
+    np.testing.assert_allclose(ablated.forward(tokens), one_block.forward(tokens), rtol=1e-14)
+    assert not np.allclose(model.forward(tokens), one_block.forward(tokens))
+
+
+def test_one_block_by_hand_and_head_ablation(rng):
+    """An attention-only block written out head by head from the formulas (the attention
+    weights taken from the model): x = x0 + sum_h (A_h (h W_v)_h) W_o[rows of h]. Zeroing
+    head h's rows of w_o removes exactly its term."""
+    model = make_model(positional="learned", norm="rms", attention_only=True, n_layers=1)
+    P, Dk = model.params, model.head_dim
+    tokens = rng.integers(0, V, size=5)
+    _, (A,) = model.forward(tokens, return_attention=True)  # (H, T, T)
+
+    def rms(x, w):
+        return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-6) * w
+
+    x0 = P["token_embedding"][tokens] + P["position_embedding"][:5]
+    v = rms(x0, P["blocks.0.attn_norm.weight"]) @ P["blocks.0.attn.w_v"]  # (T, H Dk)
+    terms = [A[h] @ v[:, h * Dk:(h + 1) * Dk] @ P["blocks.0.attn.w_o"][h * Dk:(h + 1) * Dk]
+             for h in range(2)]
+    for ablate in (None, 0, 1):
+        m = copy.deepcopy(model)
+        if ablate is not None:
+            m.params["blocks.0.attn.w_o"][ablate * Dk:(ablate + 1) * Dk] = 0.0
+        x = x0 + sum(t for h, t in enumerate(terms) if h != ablate)
+        expected = rms(x, P["final_norm.weight"]) @ P["unembedding"]
+        np.testing.assert_allclose(m.forward(tokens), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_inputs_are_not_modified(batch):
+    model = make_model()
+    tokens, targets = (np.array(a) for a in batch)
+    tokens.flags.writeable = targets.flags.writeable = False
+    model.loss_and_grads(tokens, targets)
+    model.generate(tokens, 1, temperature=0)
+
+
+def test_repr_names_the_configuration():
+    assert repr(make_model(**CONFIGS["gqa-rope"])).startswith(
+        "DecoderLM(vocab_size=7, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=12")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, top_k=3),
+                                      dict(temperature=0.7)], ids=["greedy", "top3", "t0.7"])
+def test_generation_with_and_without_cache_agree(config, sampling, rng):
+    model = make_model(**config)
+    prompt = rng.integers(0, V, size=(2, 2))
+    runs = [model.generate(prompt, 4, rng=np.random.default_rng(5), use_cache=use_cache,
+                           **sampling) for use_cache in (True, False)]
+    assert runs[0].shape == (2, 6)
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0][:, :2], prompt)
+
+
+def test_greedy_generation_follows_the_argmax(rng):
+    model = make_model(**CONFIGS["sinusoidal-rms"])
+    out = model.generate(np.array([3]), 5, temperature=0)
+    for t in range(1, 6):
+        assert out[t] == np.argmax(model.forward(out[:t])[-1])
+
+
+def test_top_1_sampling_is_greedy(rng):
+    model = make_model()
+    prompt = np.array([1, 2])
+    greedy = model.generate(prompt, 4, temperature=0)
+    np.testing.assert_array_equal(
+        model.generate(prompt, 4, temperature=2.0, top_k=1, rng=rng), greedy)
+
+
+def test_sampling_follows_the_model_distribution():
+    """With one new token, the sampled frequencies match softmax(logits / temperature)."""
+    model = make_model(seed=3)
+    prompt = np.zeros((4000, 3), dtype=int)
+    samples = model.generate(prompt, 1, temperature=1.5, rng=np.random.default_rng(0))[:, -1]
+    z = model.forward(prompt[0])[-1] / 1.5
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    freq = np.bincount(samples, minlength=V) / len(samples)
+    np.testing.assert_allclose(freq, p, atol=4 * np.sqrt(p * (1 - p) / len(samples)).max())
+
+
+def test_zero_new_tokens_returns_the_prompt():
+    np.testing.assert_array_equal(make_model().generate(np.array([1, 2]), 0, temperature=0), [1, 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one test per raise
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["vocab_size", "d_model", "n_layers", "n_heads", "max_len"])
+def test_sizes_must_be_integers(size):
+    with pytest.raises(TypeError, match=f"{size} must be a non-negative integer; got 2.0"):
+        make_model(**{size: 2.0})
+
+
+@pytest.mark.parametrize("size", ["vocab_size", "n_layers", "n_kv_heads", "d_ff", "max_len"])
+def test_sizes_must_be_positive(size):
+    with pytest.raises(ValueError, match=f"{size} must be a positive integer; got 0"):
+        make_model(**{size: 0})
+
+
+def test_n_heads_must_divide_d_model():
+    with pytest.raises(ValueError, match="n_heads must divide d_model; got d_model=8, n_heads=3"):
+        make_model(n_heads=3)
+
+
+def test_n_kv_heads_must_divide_n_heads():
+    with pytest.raises(ValueError, match="n_kv_heads must divide n_heads; got n_heads=4, "
+                                         "n_kv_heads=3"):
+        make_model(n_heads=4, n_kv_heads=3)
+
+
+def test_positional_choices():
+    with pytest.raises(ValueError, match="positional must be 'rope', 'sinusoidal', 'learned' or "
+                                         "None; got 'alibi'"):
+        make_model(positional="alibi")
+
+
+def test_rope_needs_an_even_head_width():
+    with pytest.raises(ValueError, match=r"positional='rope' needs an even head width.* 8 // 8 = 1"):
+        make_model(n_heads=8)
+
+
+def test_norm_choices():
+    with pytest.raises(ValueError, match="norm must be 'layer' or 'rms'; got 'batch'"):
+        make_model(norm="batch")
+
+
+def test_attention_only_must_be_bool():
+    with pytest.raises(TypeError, match="attention_only must be a bool; got 1"):
+        make_model(attention_only=1)
+
+
+def test_dtype_must_be_a_dtype():
+    with pytest.raises(ValueError, match="dtype must be np.float32 or np.float64; got 'double-ish'"):
+        make_model(dtype="double-ish")
+
+
+def test_dtype_must_be_float32_or_float64():
+    with pytest.raises(ValueError, match="dtype must be np.float32 or np.float64; got <class"):
+        make_model(dtype=np.float16)
+
+
+def test_rng_must_be_a_generator():
+    with pytest.raises(TypeError, match="rng must be a numpy.random.Generator"):
+        make_model(rng=0)
+
+
+def test_return_attention_must_be_bool():
+    with pytest.raises(TypeError, match="return_attention must be a bool; got 'yes'"):
+        make_model().forward(np.array([1]), return_attention="yes")
+
+
+def test_tokens_must_be_integers():
+    with pytest.raises(TypeError, match="tokens must be an integer array of token ids; got dtype float64"):
+        make_model().forward(np.array([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("tokens", [np.zeros((1, 1, 2), dtype=int), np.zeros((2, 0), dtype=int)])
+def test_tokens_must_be_1d_or_2d_and_not_empty(tokens):
+    with pytest.raises(ValueError, match=r"tokens must have shape \(T,\) or \(B, T\) with T >= 1"):
+        make_model().forward(tokens)
+
+
+def test_tokens_must_fit_max_len():
+    with pytest.raises(ValueError, match="tokens holds T=7 tokens, more than max_len=6"):
+        make_model().forward(np.zeros(7, dtype=int))
+
+
+@pytest.mark.parametrize("bad", [-1, V])
+def test_token_ids_must_be_in_the_vocabulary(bad):
+    with pytest.raises(ValueError, match=rf"tokens must hold token ids in \[0, vocab_size=7\); got {bad}"):
+        make_model().forward(np.array([0, bad]))
+
+
+def test_targets_must_be_integers():
+    with pytest.raises(TypeError, match="targets must be an integer array of token ids; got dtype float64"):
+        make_model().loss_and_grads(np.array([1, 2]), np.array([1.0, 2.0]))
+
+
+def test_targets_must_have_the_shape_of_tokens():
+    with pytest.raises(ValueError, match=r"targets must have the shape of tokens, \(1, 2\); got \(1, 3\)"):
+        make_model().loss_and_grads(np.array([1, 2]), np.array([1, 2, 3]))
+
+
+def test_targets_must_be_in_the_vocabulary():
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 7\); got the value 7"):
+        make_model().loss_and_grads(np.array([1, 2]), np.array([1, 7]))
+
+
+def test_max_new_tokens_must_be_an_integer():
+    with pytest.raises(TypeError, match="max_new_tokens must be a non-negative integer; got 2.0"):
+        make_model().generate(np.array([1]), 2.0)
+
+
+def test_generation_must_fit_max_len():
+    with pytest.raises(ValueError, match="the prompt's T0=2 tokens plus max_new_tokens=5 exceed max_len=6"):
+        make_model().generate(np.array([1, 2]), 5)
+
+
+def test_temperature_must_be_real():
+    with pytest.raises(TypeError, match="temperature must be a real number; got None"):
+        make_model().generate(np.array([1]), 2, temperature=None)
+
+
+@pytest.mark.parametrize("temperature", [-0.5, np.inf])
+def test_temperature_must_be_finite_and_non_negative(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        make_model().generate(np.array([1]), 2, temperature=temperature)
+
+
+def test_top_k_must_be_an_integer():
+    with pytest.raises(TypeError, match="top_k must be a non-negative integer; got 2.5"):
+        make_model().generate(np.array([1]), 2, top_k=2.5, rng=np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("top_k", [0, V + 1])
+def test_top_k_range(top_k):
+    with pytest.raises(ValueError, match=rf"top_k must be in \[1, vocab_size=7\] or None; got {top_k}"):
+        make_model().generate(np.array([1]), 2, top_k=top_k, rng=np.random.default_rng(0))
+
+
+def test_sampling_needs_rng():
+    with pytest.raises(TypeError, match=r"sampling \(temperature > 0\) needs rng="):
+        make_model().generate(np.array([1]), 2)
+
+
+def test_rng_of_generate_must_be_a_generator():
+    with pytest.raises(TypeError, match="rng must be a numpy.random.Generator"):
+        make_model().generate(np.array([1]), 2, rng=np.random.RandomState(0))
+
+
+def test_use_cache_must_be_bool():
+    with pytest.raises(TypeError, match="use_cache must be a bool; got 'no'"):
+        make_model().generate(np.array([1]), 2, temperature=0, use_cache="no")
