@@ -22,7 +22,7 @@ PACKAGE = ROOT / "src" / "sdpa"
 LAYERS = [
     {"_checks", "softmax", "masks", "examples", "plotting"},
     {"problem"},
-    {"threads", "tiled", "cost_model"},
+    {"threads", "tiled", "cost_model", "blocked", "iomodel"},
     {"attention"},
     {"backward", "softmax_grad", "gradcheck"},
     {"rope", "alibi", "kvcache", "linear"},

@@ -14,6 +14,7 @@ Shape letters used throughout: ``B`` batch, ``H`` heads (``Hq``, ``Hkv`` when th
 from .alibi import alibi_bias, alibi_slopes
 from .attention import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
+from .blocked import blocked_attention, blocked_attention_backward
 from .gradcheck import gradcheck, numerical_gradient
 from .kvcache import KVCache
 from .linear import elu_feature_map, linear_attention
@@ -33,6 +34,8 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "apply_rotary_embedding",
+    "blocked_attention",
+    "blocked_attention_backward",
     "causal_mask",
     "elu_feature_map",
     "gradcheck",

@@ -1,0 +1,324 @@
+"""The readable blocked attention (sdpa.blocked) against three independent references.
+
+1. a float64 loop over single queries and keys, written here with ``math.exp`` and no NumPy
+   reductions, for the forward pass and for the backward pass (whose softmax correction it
+   takes as ``rowsum(P * dP)``, not the ``rowsum(dO * O)`` that the code under test uses);
+2. the reference path of the package (``implementation="reference"``), forward and backward;
+3. PyTorch 2.13 (``torch.nn.functional.scaled_dot_product_attention`` and autograd), where
+   installed.
+
+Sizes differ in every dimension (T=7, S=11, Dk=5, Dv=3) and the block sizes cover 1, odd
+sizes that divide nothing, and sizes larger than T or S.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import sdpa
+from sdpa import blocked_attention, blocked_attention_backward
+
+T, S, DK, DV = 7, 11, 5, 3
+BLOCKS = [(1, 1), (2, 3), (3, 4), (5, 2), (7, 11), (16, 32), (1, 32), (64, 1)]
+TOL = {np.float64: dict(rtol=1e-12, atol=1e-13), np.float32: dict(rtol=2e-5, atol=2e-6)}
+
+
+def qkv(rng, dtype=np.float64, t=T, s=S, dk=DK, dv=DV):
+    return (
+        rng.standard_normal((t, dk)).astype(dtype),
+        rng.standard_normal((s, dk)).astype(dtype),
+        rng.standard_normal((s, dv)).astype(dtype),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 loop: every number from its definition
+# ---------------------------------------------------------------------------------------------
+
+
+def loop_forward(q, k, v, scale):
+    """``(out, lse, weights)`` one query at a time, in Python floats."""
+    t, s, dv = len(q), len(k), v.shape[1]
+    out, lse, weights = np.zeros((t, dv)), np.zeros(t), np.zeros((t, s))
+    for i in range(t):
+        scores = [scale * sum(float(a) * float(b) for a, b in zip(q[i], k[j])) for j in range(s)]
+        top = max(scores)
+        total = sum(math.exp(x - top) for x in scores)
+        lse[i] = top + math.log(total)
+        for j in range(s):
+            weights[i, j] = math.exp(scores[j] - top) / total
+            for c in range(dv):
+                out[i, c] += weights[i, j] * float(v[j, c])
+    return out, lse, weights
+
+
+def loop_backward(q, k, v, d_out, scale):
+    """``(d_q, d_k, d_v)`` from the chain rule, entry by entry."""
+    _, _, p = loop_forward(q, k, v, scale)
+    t, s = p.shape
+    d_p = np.array([[float(np.dot(d_out[i], v[j])) for j in range(s)] for i in range(t)])
+    d_scores = np.zeros((t, s))
+    for i in range(t):
+        correction = sum(p[i, j] * d_p[i, j] for j in range(s))  # rowsum(P * dP)
+        for j in range(s):
+            d_scores[i, j] = p[i, j] * (d_p[i, j] - correction)
+    d_q = np.zeros(q.shape)
+    d_k = np.zeros(k.shape)
+    d_v = np.zeros(v.shape)
+    for i in range(t):
+        for j in range(s):
+            d_q[i] += scale * d_scores[i, j] * k[j]
+            d_k[j] += scale * d_scores[i, j] * q[i]
+            d_v[j] += p[i, j] * d_out[i]
+    return d_q, d_k, d_v
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_q, block_k", BLOCKS)
+def test_forward_equals_float64_loop(block_q, block_k, rng):
+    q, k, v = qkv(rng)
+    out, lse = blocked_attention(q, k, v, block_q=block_q, block_k=block_k)
+    want_out, want_lse, _ = loop_forward(q, k, v, 1 / math.sqrt(DK))
+    np.testing.assert_allclose(out, want_out, **TOL[np.float64])
+    np.testing.assert_allclose(lse, want_lse, **TOL[np.float64])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("block_q, block_k", BLOCKS)
+def test_forward_equals_reference_path(block_q, block_k, dtype, rng):
+    q, k, v = qkv(rng, dtype)
+    out, lse = blocked_attention(q, k, v, block_q=block_q, block_k=block_k)
+    want_out, want_lse = sdpa.scaled_dot_product_attention(
+        q, k, v, implementation="reference", return_lse=True
+    )
+    assert out.dtype == lse.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(out, want_out, **TOL[dtype])
+    np.testing.assert_allclose(lse, want_lse, **TOL[dtype])
+
+
+def test_hand_computed_case():
+    """Two keys with scores 0 and log 3 give the weights 1/4 and 3/4 (scale 1)."""
+    q = np.array([[1.0]])
+    k = np.array([[0.0], [math.log(3.0)]])
+    v = np.array([[4.0, 0.0], [0.0, 4.0]])
+    out, lse = blocked_attention(q, k, v, block_q=1, block_k=1, scale=1.0)
+    np.testing.assert_allclose(out, [[1.0, 3.0]], rtol=1e-15)
+    np.testing.assert_allclose(lse, [math.log(4.0)], rtol=1e-15)
+
+
+def test_scale_and_large_scores(rng):
+    """A scale that makes scores of several hundred: exp would overflow without the shift."""
+    q, k, v = qkv(rng)
+    out, lse = blocked_attention(q, k, v, block_q=3, block_k=4, scale=200.0)
+    want_out, want_lse, _ = loop_forward(q, k, v, 200.0)
+    assert np.all(np.abs(lse) > 50)
+    np.testing.assert_allclose(out, want_out, **TOL[np.float64])
+    np.testing.assert_allclose(lse, want_lse, **TOL[np.float64])
+
+
+def test_float16_is_computed_in_float32(rng):
+    q, k, v = qkv(rng, np.float16)
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=5)
+    want = loop_forward(*(x.astype(np.float64) for x in (q, k, v)), 1 / math.sqrt(DK))
+    assert out.dtype == lse.dtype == np.float16
+    np.testing.assert_allclose(out, want[0], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(lse, want[1], rtol=2e-3, atol=2e-3)
+
+
+def test_integer_inputs_give_float64():
+    q = np.array([[1, 0], [0, 2]])
+    k = np.array([[1, 1], [0, 1], [2, 0]])
+    v = np.array([[1, 0], [0, 1], [1, 1]])
+    out, lse = blocked_attention(q, k, v, block_q=1, block_k=2)
+    want = loop_forward(q, k, v, 1 / math.sqrt(2))
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, want[0], rtol=1e-14)
+
+
+def test_no_queries_and_zero_widths(rng):
+    q, k, v = qkv(rng, t=0)
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=3)
+    assert out.shape == (0, DV) and lse.shape == (0,)
+    # Dk = 0: every score is 0, so the weights are uniform and out is the mean of the values.
+    q, k, v = qkv(rng, dk=0)
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=3)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=0), (T, DV)), rtol=1e-14)
+    np.testing.assert_allclose(lse, np.full(T, math.log(S)), rtol=1e-14)
+
+
+def test_inputs_are_not_modified(rng):
+    q, k, v = qkv(rng)
+    copies = [x.copy() for x in (q, k, v)]
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=3)
+    blocked_attention_backward(q, k, v, out, lse, np.ones_like(out), block_q=2, block_k=3)
+    for x, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(x, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_q, block_k", BLOCKS)
+def test_backward_equals_float64_loop(block_q, block_k, rng):
+    q, k, v = qkv(rng)
+    d_out = rng.standard_normal((T, DV))
+    out, lse = blocked_attention(q, k, v, block_q=3, block_k=5)
+    grads = blocked_attention_backward(q, k, v, out, lse, d_out, block_q=block_q, block_k=block_k)
+    for got, want in zip(grads, loop_backward(q, k, v, d_out, 1 / math.sqrt(DK))):
+        np.testing.assert_allclose(got, want, **TOL[np.float64])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("block_q, block_k", BLOCKS)
+def test_backward_equals_reference_path(block_q, block_k, dtype, rng):
+    q, k, v = qkv(rng, dtype)
+    d_out = rng.standard_normal((T, DV)).astype(dtype)
+    out, lse = blocked_attention(q, k, v, block_q=block_q, block_k=block_k)
+    grads = blocked_attention_backward(q, k, v, out, lse, d_out, block_q=block_q, block_k=block_k)
+    want = sdpa.scaled_dot_product_attention_backward(d_out, q, k, v, implementation="reference")
+    for got, ref in zip(grads, want):
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_allclose(got, ref, **TOL[dtype])
+
+
+def test_backward_with_explicit_scale_against_finite_differences(rng):
+    q, k, v = qkv(rng)
+    weights = rng.standard_normal((T, DV))  # L = sum(weights * out)
+    loss = lambda q_: float(np.sum(weights * blocked_attention(  # noqa: E731
+        q_, k, v, block_q=2, block_k=3, scale=0.7)[0]))
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=3, scale=0.7)
+    d_q, _, _ = blocked_attention_backward(q, k, v, out, lse, weights, block_q=4, block_k=2,
+                                           scale=0.7)
+    h = 1e-6
+    for i, c in [(0, 0), (3, 2), (6, 4)]:
+        e = np.zeros_like(q)
+        e[i, c] = h
+        np.testing.assert_allclose(d_q[i, c], (loss(q + e) - loss(q - e)) / (2 * h), rtol=1e-6)
+
+
+def test_backward_gradient_dtypes_follow_each_input(rng):
+    q, k, v = qkv(rng)
+    q32 = q.astype(np.float32)
+    k_int = np.round(k * 2).astype(np.int64)
+    out, lse = blocked_attention(q32, k_int, v, block_q=2, block_k=3)
+    d_q, d_k, d_v = blocked_attention_backward(q32, k_int, v, out, lse, np.ones_like(out),
+                                               block_q=2, block_k=3)
+    assert (d_q.dtype, d_k.dtype, d_v.dtype) == (np.float32, np.float64, np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("block_q, block_k", [(1, 1), (3, 4), (16, 32)])
+def test_forward_and_backward_equal_torch(torch, block_q, block_k, dtype, rng):
+    q, k, v = qkv(rng, dtype)
+    d_out = rng.standard_normal((T, DV)).astype(dtype)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    t_out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+    t_out.backward(torch.tensor(d_out))
+    out, lse = blocked_attention(q, k, v, block_q=block_q, block_k=block_k)
+    grads = blocked_attention_backward(q, k, v, out, lse, d_out, block_q=block_q, block_k=block_k)
+    np.testing.assert_allclose(out, t_out.detach().numpy(), **TOL[dtype])
+    for got, t in zip(grads, (tq, tk, tv)):
+        np.testing.assert_allclose(got, t.grad.numpy(), **TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one test per raise
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["block_q", "block_k"])
+@pytest.mark.parametrize("bad", [2.0, True, None])
+def test_block_size_of_the_wrong_kind(name, bad, rng):
+    q, k, v = qkv(rng)
+    sizes = {"block_q": 2, "block_k": 2, name: bad}
+    with pytest.raises(TypeError, match=f"{name} must be a positive integer; got {bad!r}"):
+        blocked_attention(q, k, v, **sizes)
+
+
+@pytest.mark.parametrize("name", ["block_q", "block_k"])
+def test_block_size_not_positive(name, rng):
+    q, k, v = qkv(rng)
+    sizes = {"block_q": 2, "block_k": 2, name: 0}
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer; got 0"):
+        blocked_attention(q, k, v, **sizes)
+
+
+def test_input_of_the_wrong_kind(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="v must be a real floating, integer or bool array"):
+        blocked_attention(q, k, v.astype(complex), block_q=2, block_k=2)
+
+
+@pytest.mark.parametrize(
+    "which, shape, letters",
+    [(0, (2, T, DK), r"q must be a 2-D array \(T, Dk\)"),
+     (1, (S,), r"k must be a 2-D array \(S, Dk\)"),
+     (2, (1, S, DV), r"v must be a 2-D array \(S, Dv\)")],
+)
+def test_inputs_must_be_2d(which, shape, letters, rng):
+    args = list(qkv(rng))
+    args[which] = rng.standard_normal(shape)
+    with pytest.raises(ValueError, match=letters + rf" \(one head, no batch\); got .*{shape}"):
+        blocked_attention(*args, block_q=2, block_k=2)
+
+
+def test_widths_must_match(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match=r"q and k must share the last dimension Dk; "
+                                         r"got q.shape=\(7, 5\), k.shape=\(11, 4\)"):
+        blocked_attention(q, k[:, :4], v, block_q=2, block_k=2)
+
+
+def test_lengths_must_match(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match=r"k and v must have the same number of rows S; "
+                                         r"got k.shape=\(11, 5\), v.shape=\(10, 3\)"):
+        blocked_attention(q, k, v[:10], block_q=2, block_k=2)
+
+
+def test_no_keys(rng):
+    q, k, v = qkv(rng, s=0)
+    with pytest.raises(ValueError, match=r"k and v must have at least one row \(S >= 1\)"):
+        blocked_attention(q, k, v, block_q=2, block_k=2)
+
+
+def test_scale_not_finite(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match="scale must be finite; got inf"):
+        blocked_attention(q, k, v, block_q=2, block_k=2, scale=float("inf"))
+
+
+@pytest.mark.parametrize(
+    "name, index, shape",
+    [("out", 0, (T, DV + 1)), ("lse", 1, (T, 1)), ("d_out", 2, (T - 1, DV))],
+)
+def test_backward_results_must_have_the_forward_shapes(name, index, shape, rng):
+    q, k, v = qkv(rng)
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=2)
+    given = [out, lse, np.ones_like(out)]
+    given[index] = np.zeros(shape)
+    with pytest.raises(ValueError, match=rf"{name} must have the shape of the forward .* "
+                                         rf"got {name}.shape=\({shape[0]}, {shape[1]}\)"):
+        blocked_attention_backward(q, k, v, *given, block_q=2, block_k=2)
+
+
+def test_backward_rejects_the_forward_errors(rng):
+    q, k, v = qkv(rng)
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=2)
+    with pytest.raises(ValueError, match="block_k must be a positive integer; got -1"):
+        blocked_attention_backward(q, k, v, out, lse, out, block_q=2, block_k=-1)
