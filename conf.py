@@ -55,7 +55,8 @@ extensions = [
 
 # One .bib file per topic so that chapters can add references independently.
 bibtex_bibfiles = sorted(
-    Path(p).relative_to(ROOT).as_posix() for p in glob.glob(str(ROOT / "book" / "references" / "*.bib"))
+    Path(p).relative_to(ROOT).as_posix()
+    for p in glob.glob(str(ROOT / "book" / "references" / "*.bib"))
 )
 bibtex_default_style = "plain"
 bibtex_reference_style = "author_year"
@@ -172,7 +173,9 @@ def key_execution_cache(app, config) -> None:
 def check_mathjax(app) -> None:
     if app.builder.format != "html":
         return
-    missing = [p for p in (MATHJAX_DIR / "tex-chtml.js", MATHJAX_FONT_DIR / "chtml") if not p.exists()]
+    missing = [
+        p for p in (MATHJAX_DIR / "tex-chtml.js", MATHJAX_FONT_DIR / "chtml") if not p.exists()
+    ]
     if missing:
         from sphinx.errors import ConfigError
 
@@ -275,7 +278,11 @@ def api_reference_markdown() -> str:
         obj = getattr(sdpa, name)
         lines += ["```{eval-rst}"]
         if inspect.isclass(obj):
-            lines += [f".. autoclass:: sdpa.{name}", "   :members:", "   :special-members: __call__"]
+            lines += [
+                f".. autoclass:: sdpa.{name}",
+                "   :members:",
+                "   :special-members: __call__",
+            ]
         else:
             lines += [f".. autofunction:: sdpa.{name}"]
         lines += ["```", ""]

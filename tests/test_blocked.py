@@ -193,11 +193,18 @@ def test_backward_equals_reference_path(block_q, block_k, dtype, rng):
 def test_backward_with_explicit_scale_against_finite_differences(rng):
     q, k, v = qkv(rng)
     weights = rng.standard_normal((T, DV))  # L = sum(weights * out)
-    loss = lambda q_: float(np.sum(weights * blocked_attention(  # noqa: E731
-        q_, k, v, block_q=2, block_k=3, scale=0.7)[0]))
+    loss = lambda q_: float(
+        np.sum(
+            weights
+            * blocked_attention(  # noqa: E731
+                q_, k, v, block_q=2, block_k=3, scale=0.7
+            )[0]
+        )
+    )
     out, lse = blocked_attention(q, k, v, block_q=2, block_k=3, scale=0.7)
-    d_q, _, _ = blocked_attention_backward(q, k, v, out, lse, weights, block_q=4, block_k=2,
-                                           scale=0.7)
+    d_q, _, _ = blocked_attention_backward(
+        q, k, v, out, lse, weights, block_q=4, block_k=2, scale=0.7
+    )
     h = 1e-6
     for i, c in [(0, 0), (3, 2), (6, 4)]:
         e = np.zeros_like(q)
@@ -210,8 +217,9 @@ def test_backward_gradient_dtypes_follow_each_input(rng):
     q32 = q.astype(np.float32)
     k_int = np.round(k * 2).astype(np.int64)
     out, lse = blocked_attention(q32, k_int, v, block_q=2, block_k=3)
-    d_q, d_k, d_v = blocked_attention_backward(q32, k_int, v, out, lse, np.ones_like(out),
-                                               block_q=2, block_k=3)
+    d_q, d_k, d_v = blocked_attention_backward(
+        q32, k_int, v, out, lse, np.ones_like(out), block_q=2, block_k=3
+    )
     assert (d_q.dtype, d_k.dtype, d_v.dtype) == (np.float32, np.float64, np.float64)
 
 
@@ -266,9 +274,11 @@ def test_input_of_the_wrong_kind(rng):
 
 @pytest.mark.parametrize(
     "which, shape, letters",
-    [(0, (2, T, DK), r"q must be a 2-D array \(T, Dk\)"),
-     (1, (S,), r"k must be a 2-D array \(S, Dk\)"),
-     (2, (1, S, DV), r"v must be a 2-D array \(S, Dv\)")],
+    [
+        (0, (2, T, DK), r"q must be a 2-D array \(T, Dk\)"),
+        (1, (S,), r"k must be a 2-D array \(S, Dk\)"),
+        (2, (1, S, DV), r"v must be a 2-D array \(S, Dv\)"),
+    ],
 )
 def test_inputs_must_be_2d(which, shape, letters, rng):
     args = list(qkv(rng))
@@ -279,15 +289,21 @@ def test_inputs_must_be_2d(which, shape, letters, rng):
 
 def test_widths_must_match(rng):
     q, k, v = qkv(rng)
-    with pytest.raises(ValueError, match=r"q and k must share the last dimension Dk; "
-                                         r"got q.shape=\(7, 5\), k.shape=\(11, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"q and k must share the last dimension Dk; "
+        r"got q.shape=\(7, 5\), k.shape=\(11, 4\)",
+    ):
         blocked_attention(q, k[:, :4], v, block_q=2, block_k=2)
 
 
 def test_lengths_must_match(rng):
     q, k, v = qkv(rng)
-    with pytest.raises(ValueError, match=r"k and v must have the same number of rows S; "
-                                         r"got k.shape=\(11, 5\), v.shape=\(10, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"k and v must have the same number of rows S; "
+        r"got k.shape=\(11, 5\), v.shape=\(10, 3\)",
+    ):
         blocked_attention(q, k, v[:10], block_q=2, block_k=2)
 
 
@@ -299,7 +315,7 @@ def test_no_keys(rng):
 
 def test_scale_not_finite(rng):
     q, k, v = qkv(rng)
-    with pytest.raises(ValueError, match="scale must be finite; got inf"):
+    with pytest.raises(ValueError, match="scale must be a finite real number or None; got inf"):
         blocked_attention(q, k, v, block_q=2, block_k=2, scale=float("inf"))
 
 
@@ -312,8 +328,11 @@ def test_backward_results_must_have_the_forward_shapes(name, index, shape, rng):
     out, lse = blocked_attention(q, k, v, block_q=2, block_k=2)
     given = [out, lse, np.ones_like(out)]
     given[index] = np.zeros(shape)
-    with pytest.raises(ValueError, match=rf"{name} must have the shape of the forward .* "
-                                         rf"got {name}.shape=\({shape[0]}, {shape[1]}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name} must have the shape of the forward .* "
+        rf"got {name}.shape=\({shape[0]}, {shape[1]}\)",
+    ):
         blocked_attention_backward(q, k, v, *given, block_q=2, block_k=2)
 
 

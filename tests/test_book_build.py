@@ -88,7 +88,9 @@ def make_project(tmp_path: Path) -> Path:
     book = tmp_path / "book"
     shutil.copytree(ROOT / "book" / "_static", book / "_static")
     shutil.copytree(ROOT / "book" / "references", book / "references")
-    shutil.copytree(ROOT / "book" / "_ext", book / "_ext", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "book" / "_ext", book / "_ext", ignore=shutil.ignore_patterns("__pycache__")
+    )
     (book / "index.md").write_text(INDEX)
     package = tmp_path / "src" / "sdpa"
     package.mkdir(parents=True)
@@ -109,7 +111,9 @@ def build(project: Path) -> subprocess.CompletedProcess:
         "-n", "-W", "--keep-going", "-q",
     ]  # fmt: skip
     env = {**os.environ, "SDPA_NB_EXECUTION_MODE": "cache", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
-    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command, cwd=project, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def runs(project: Path) -> int:

@@ -23,7 +23,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
-SOURCES = sorted(p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts)
+SOURCES = sorted(
+    p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts
+)
 
 NOT_YET_CONVERTED = {
     line.strip()
@@ -33,19 +35,35 @@ NOT_YET_CONVERTED = {
 STRICT = os.environ.get("SDPA_PAGES_STRICT") == "1"
 
 MATH_RULES = [
-    (re.compile(r"(?<![\w\\])S\s*=\s*Q|(?<![\w\\])S_\{?[ij0-9]|\\mathbf\{S\}|(?<![\w\\])dS\b|(?<![\w\\])S\^\{?\\top"),
-     "S is the key length only; the scores are Z (z_ij), a state is U_i"),
-    (re.compile(r"(?<![\w\\])d_\{?[kv]\b|d_\{?\\(?:text|mathrm)\{model\}"),
-     "head widths are D_k and D_v (the model width is E)"),
-    (re.compile(r"\\ell(?:_\{?\w+\}?)?\s*=\s*\\log"),
-     "the log-sum-exp is \\operatorname{lse}; \\ell is the online softmax's running normaliser"),
-    (re.compile(r"(?<![\w\\])[Pp]_\{?ij\b|(?<![\w\\])w_\{?ij\b|(?<![\w\\])P\s*=\s*\\operatorname\{softmax\}"),
-     "the weights are A, with entries a_ij"),
-    (re.compile(r"(?<![\w\\])D_\{?i\}?(?![\w])"),
-     "the backward's row term is \\delta_i (D_i is another work's name)"),
+    (
+        re.compile(
+            r"(?<![\w\\])S\s*=\s*Q|(?<![\w\\])S_\{?[ij0-9]|\\mathbf\{S\}|(?<![\w\\])dS\b|(?<![\w\\])S\^\{?\\top"
+        ),
+        "S is the key length only; the scores are Z (z_ij), a state is U_i",
+    ),
+    (
+        re.compile(r"(?<![\w\\])d_\{?[kv]\b|d_\{?\\(?:text|mathrm)\{model\}"),
+        "head widths are D_k and D_v (the model width is E)",
+    ),
+    (
+        re.compile(r"\\ell(?:_\{?\w+\}?)?\s*=\s*\\log"),
+        "the log-sum-exp is \\operatorname{lse}; \\ell is the online softmax's running normaliser",
+    ),
+    (
+        re.compile(
+            r"(?<![\w\\])[Pp]_\{?ij\b|(?<![\w\\])w_\{?ij\b|(?<![\w\\])P\s*=\s*\\operatorname\{softmax\}"
+        ),
+        "the weights are A, with entries a_ij",
+    ),
+    (
+        re.compile(r"(?<![\w\\])D_\{?i\}?(?![\w])"),
+        "the backward's row term is \\delta_i (D_i is another work's name)",
+    ),
 ]
-CODE_RULE = (re.compile(r"(?<![\w.'\"])d_[kv]\b(?!['\"])"),
-             "code names gradients dq, dk, dv and widths Dk, Dv; d_k / d_v are neither")
+CODE_RULE = (
+    re.compile(r"(?<![\w.'\"])d_[kv]\b(?!['\"])"),
+    "code names gradients dq, dk, dv and widths Dk, Dv; d_k / d_v are neither",
+)
 
 
 def _paragraphs(text: str):
@@ -136,8 +154,17 @@ def test_the_rules_catch_each_collision(maths, expect):
 
 @pytest.mark.parametrize(
     "maths",
-    [r"$(T, S)$", r"$S = T$", r"$1/\sqrt{D_k}$", r"$\ell_i$ and $m_i$", r"$a_{ij}$", r"$D_k$, $D_v$",
-     r"$\operatorname{lse}_i = \log \sum_j e^{z_{ij}}$", r"$\delta_i$", r"$Z = QK^\top/\sqrt{D_k}$"],
+    [
+        r"$(T, S)$",
+        r"$S = T$",
+        r"$1/\sqrt{D_k}$",
+        r"$\ell_i$ and $m_i$",
+        r"$a_{ij}$",
+        r"$D_k$, $D_v$",
+        r"$\operatorname{lse}_i = \log \sum_j e^{z_{ij}}$",
+        r"$\delta_i$",
+        r"$Z = QK^\top/\sqrt{D_k}$",
+    ],
 )
 def test_the_rules_accept_the_book_notation(maths):
     assert math_problems(f"Text {maths} text.") == []

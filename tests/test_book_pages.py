@@ -53,7 +53,9 @@ NOT_YET_CONVERTED = {
 }
 STRICT = os.environ.get("SDPA_PAGES_STRICT") == "1"
 
-SOURCES = sorted(p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts)
+SOURCES = sorted(
+    p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts
+)
 
 
 def _rel(path: Path) -> str:
@@ -69,7 +71,9 @@ def _pages(exclude=frozenset()) -> list:
             continue
         marks = []
         if page in NOT_YET_CONVERTED and not STRICT:
-            marks = [pytest.mark.xfail(reason="page not yet rewritten (issues 10-12)", strict=False)]
+            marks = [
+                pytest.mark.xfail(reason="page not yet rewritten (issues 10-12)", strict=False)
+            ]
         params.append(pytest.param(page, marks=marks, id=page))
     return params
 
@@ -179,8 +183,10 @@ def test_page_opens_with_an_overview(page):
     text = (BOOK / page).read_text(encoding="utf-8")
     title = re.search(r"^# .+$", text, re.M)
     assert title, f"{page}: no title"
-    after = text[title.end():]
-    box = re.match(r"\s*:{3,}\{admonition\} On this page\n:class: overview\n(.*?)\n:{3,}", after, re.S)
+    after = text[title.end() :]
+    box = re.match(
+        r"\s*:{3,}\{admonition\} On this page\n:class: overview\n(.*?)\n:{3,}", after, re.S
+    )
     assert box, f"{page}: the first thing after the title must be the 'On this page' box"
     body = box.group(1)
     points = re.findall(r"^- ", body.split("**You need**")[0], re.M)
@@ -194,19 +200,21 @@ def _exercise_problems(text: str) -> list[str]:
     problems = []
     for match in re.finditer(r"^(:{3,})\{admonition\} (Exercise[^\n]*)\n", text, re.M):
         fence, title = match.group(1), match.group(2)
-        rest = text[match.end():]
+        rest = text[match.end() :]
         if not rest.startswith(":class: exercise\n"):
             problems.append(f"{title!r}: needs ':class: exercise'")
         close = re.search(rf"^{fence}\s*$", rest, re.M)
         if close is None:
             problems.append(f"{title!r}: not closed")
             continue
-        after = rest[close.end():].lstrip("\n")
+        after = rest[close.end() :].lstrip("\n")
         solution = re.match(r"(:{3,})\{dropdown\} Solution\n:class-container: solution\n", after)
         if solution is None:
-            problems.append(f"{title!r}: must be followed by a 'Solution' dropdown with class solution")
+            problems.append(
+                f"{title!r}: must be followed by a 'Solution' dropdown with class solution"
+            )
             continue
-        sol_rest = after[solution.end():]
+        sol_rest = after[solution.end() :]
         sol_close = re.search(rf"^{solution.group(1)}\s*$", sol_rest, re.M)
         body = sol_rest[: sol_close.start()] if sol_close else sol_rest
         if not re.search(r"\{glue(:\w+)?\}`", body):
@@ -214,11 +222,13 @@ def _exercise_problems(text: str) -> list[str]:
     # Anything that looks like an exercise in another markup.
     for match in re.finditer(r"^:{3,}\{(?!admonition\} Exercise)[^}]*\}[^\n]*Exercise", text, re.M):
         problems.append(f"exercise in another markup: {match.group(0)!r}")
-    for tags, code in _code_cells(text):
+    for tags, _code in _code_cells(text):
         if "solution" in tags:
             if "hide-cell" not in tags:
                 problems.append("a solution's code cell must be tagged hide-cell")
-    for match in re.finditer(r"^```\{code-cell\}[^\n]*\n(:tags:[^\n]*solution[^\n]*\n(?::[^\n]*\n)*)", text, re.M):
+    for match in re.finditer(
+        r"^```\{code-cell\}[^\n]*\n(:tags:[^\n]*solution[^\n]*\n(?::[^\n]*\n)*)", text, re.M
+    ):
         if "Show the solution's code" not in match.group(1):
             problems.append("a solution's code cell must be labelled \"Show the solution's code\"")
     return problems
@@ -259,7 +269,9 @@ def test_the_book_keeps_its_glued_numbers_and_assertions():
     for p in SOURCES:
         for _, code in _code_cells(p.read_text(encoding="utf-8")):
             asserts += len(re.findall(r"^\s*(?:assert\b|np\.testing\.assert)", code, re.M))
-    assert names >= MIN_GLUED_NAMES, f"{names} glued names referenced; the book had {MIN_GLUED_NAMES}"
+    assert names >= MIN_GLUED_NAMES, (
+        f"{names} glued names referenced; the book had {MIN_GLUED_NAMES}"
+    )
     assert asserts >= MIN_ASSERTIONS, f"{asserts} assertion lines; the book had {MIN_ASSERTIONS}"
 
 
@@ -277,7 +289,9 @@ def _toctree_docs() -> list[str]:
     text = (BOOK / "index.md").read_text(encoding="utf-8")
     docs = []
     for block in re.findall(r"^```\{toctree\}\n(.*?)^```", text, re.M | re.S):
-        docs += [line.strip() for line in block.splitlines() if line.strip() and not line.startswith(":")]
+        docs += [
+            line.strip() for line in block.splitlines() if line.strip() and not line.startswith(":")
+        ]
     return docs
 
 
@@ -294,9 +308,14 @@ def test_landing_page_leads_the_reader_in(site_pages):
     assert hook, "no figure before the first section: the hook comes before everything else"
     assert hook[0].find("img") is not None, "the hook figure has no image"
     numbers = re.findall(r"\b0\.\d\d\b", hook[0].get_text())
-    assert len(numbers) >= 3, f"the hook's caption states no computed weights: {hook[0].get_text()!r}"
+    assert len(numbers) >= 3, (
+        f"the hook's caption states no computed weights: {hook[0].get_text()!r}"
+    )
 
-    sections = {h.get_text(strip=True).rstrip("#¶"): h.find_parent("section") for h in article.find_all("h2")}
+    sections = {
+        h.get_text(strip=True).rstrip("#¶"): h.find_parent("section")
+        for h in article.find_all("h2")
+    }
     able = sections["You will be able to"].find("ul")
     assert able is not None and len(able.find_all("li")) >= 5
     paths = sections["Three ways in"].find_all("dt")
@@ -307,9 +326,15 @@ def test_landing_page_leads_the_reader_in(site_pages):
     for item in chapters.find_all("li"):
         link = item.find("a", href=True)
         minutes = re.search(r"\((\d+) min\)", item.get_text())
-        assert link is not None and minutes, f"a chapter line without a link or a time: {item.get_text()!r}"
+        assert link is not None and minutes, (
+            f"a chapter line without a link or a time: {item.get_text()!r}"
+        )
         listed[link["href"].split("#")[0].removesuffix(".html")] = int(minutes.group(1))
-    chapters_in_toc = [doc for doc in _toctree_docs() if not doc.startswith("appendix/") and doc != "run-it-yourself"]
+    chapters_in_toc = [
+        doc
+        for doc in _toctree_docs()
+        if not doc.startswith("appendix/") and doc != "run-it-yourself"
+    ]
     assert list(listed) == chapters_in_toc, "the chapter list and the table of contents differ"
     assert all(1 <= m <= 60 for m in listed.values()), listed
     assert len(set(listed.values())) > 3, "every page has the same reading time: not computed"

@@ -38,7 +38,9 @@ def masked_corners(fig) -> dict[str, list[tuple[float, float]]]:
         label = patch.get_label() or ""
         if label.startswith("_masked "):
             squares = patch.get_path().to_polygons(closed_only=False)
-            corners[label[len("_masked "):]] = [tuple(np.round(sq.min(axis=0), 9)) for sq in squares]
+            corners[label[len("_masked ") :]] = [
+                tuple(np.round(sq.min(axis=0), 9)) for sq in squares
+            ]
     return corners
 
 
@@ -139,8 +141,9 @@ def test_draw_arrow_rejects_an_unknown_label_side():
 
 def test_draw_matrix_sizes_follow_the_shape_and_labels_name_it():
     fig, ax = dg.new_canvas(4.0, 2.5)
-    rect = dg.draw_matrix(ax, 0.5, 0.6, (5, 7), unit=0.2, color=QUERY, name="$Q$",
-                          dims=("T", "D_k"), tag="Q")
+    rect = dg.draw_matrix(
+        ax, 0.5, 0.6, (5, 7), unit=0.2, color=QUERY, name="$Q$", dims=("T", "D_k"), tag="Q"
+    )
     assert (round(rect.width, 9), round(rect.height, 9)) == (1.4, 1.0)  # 7 x 0.2 by 5 x 0.2
     assert dg.tagged_rects(fig) == {"Q": rect}
     assert dg.figure_texts(fig) == ["$Q$", "$(T, D_k)$", "(5, 7)"]
@@ -149,8 +152,9 @@ def test_draw_matrix_sizes_follow_the_shape_and_labels_name_it():
 
 def test_draw_matrix_draws_a_vector_as_one_row_with_its_values():
     fig, ax = dg.new_canvas(3.0, 1.2)
-    rect = dg.draw_matrix(ax, 0.3, 0.5, (3,), unit=0.5, color=KEY, dims=("D_k",),
-                          values=[0.25, -1.5, 12.0])
+    rect = dg.draw_matrix(
+        ax, 0.3, 0.5, (3,), unit=0.5, color=KEY, dims=("D_k",), values=[0.25, -1.5, 12.0]
+    )
     assert (rect.width, rect.height) == (1.5, 0.5)
     # hand-formatted: two decimals, one from 10 on, a true minus sign
     assert dg.figure_texts(fig) == ["0.25", "\N{MINUS SIGN}1.50", "12.0", "$(D_k,)$", "(3,)"]
@@ -174,7 +178,9 @@ def test_draw_matrix_keeps_a_thin_matrix_visible():
 
 def test_draw_matrix_rejects_a_shape_of_three_sizes():
     fig, ax = dg.new_canvas(2.0, 2.0)
-    with pytest.raises(ValueError, match=r"shape must be \(rows, cols\) or \(n,\); got \(2, 3, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"shape must be \(rows, cols\) or \(n,\); got \(2, 3, 4\)"
+    ):
         dg.draw_matrix(ax, 0, 0, (2, 3, 4), unit=0.1, color=KEY)
 
 
@@ -186,19 +192,25 @@ def test_draw_matrix_rejects_dims_that_do_not_match_the_shape():
 
 def test_draw_matrix_rejects_values_of_another_shape():
     fig, ax = dg.new_canvas(2.0, 2.0)
-    with pytest.raises(ValueError, match=r"values must have the matrix's shape \(2, 3\); got \(3, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"values must have the matrix's shape \(2, 3\); got \(3, 2\)"
+    ):
         dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, values=np.zeros((3, 2)))
 
 
 def test_draw_matrix_rejects_a_mask_of_another_shape():
     fig, ax = dg.new_canvas(2.0, 2.0)
-    with pytest.raises(ValueError, match=r"masked must have the matrix's shape \(2, 3\); got \(2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"masked must have the matrix's shape \(2, 3\); got \(2, 2\)"
+    ):
         dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, masked=np.eye(2, dtype=bool))
 
 
 def test_draw_matrix_rejects_an_unknown_label_side():
     fig, ax = dg.new_canvas(2.0, 2.0)
-    with pytest.raises(ValueError, match="a label side must be 'above', 'below', 'left' or 'right'"):
+    with pytest.raises(
+        ValueError, match="a label side must be 'above', 'below', 'left' or 'right'"
+    ):
         dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, name="$K$", name_at="inside")
 
 
@@ -228,7 +240,9 @@ def test_draw_bracket_on_the_left_spans_heights():
 
 def test_draw_bracket_rejects_an_unknown_side():
     fig, ax = dg.new_canvas(3.0, 1.0)
-    with pytest.raises(ValueError, match="side must be 'above', 'below', 'left' or 'right'; got 'up'"):
+    with pytest.raises(
+        ValueError, match="side must be 'above', 'below', 'left' or 'right'; got 'up'"
+    ):
         dg.draw_bracket(ax, 0, 1, 0, side="up")
 
 
@@ -240,7 +254,9 @@ def test_draw_bracket_rejects_an_empty_span():
 
 def test_role_legend_has_one_patch_per_role():
     fig, ax = dg.new_canvas(4.0, 1.0)
-    legend = dg.role_legend(ax, [("query", QUERY), ("key", KEY), ("empty", "white", {"linestyle": "--"})])
+    legend = dg.role_legend(
+        ax, [("query", QUERY), ("key", KEY), ("empty", "white", {"linestyle": "--"})]
+    )
     assert [t.get_text() for t in legend.get_texts()] == ["query", "key", "empty"]
     handles = legend.legend_handles
     assert all(isinstance(h, Patch) for h in handles)
@@ -292,8 +308,11 @@ LEGIBLE = [
 ]
 
 
-@pytest.mark.parametrize(("name", "args", "kwargs"), LEGIBLE,
-                         ids=[f"{n.removesuffix('_diagram')}{a}{k or ''}" for n, a, k in LEGIBLE])
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs"),
+    LEGIBLE,
+    ids=[f"{n.removesuffix('_diagram')}{a}{k or ''}" for n, a, k in LEGIBLE],
+)
 def test_diagram_is_legible(name, args, kwargs):
     assert_legible(build(name, *args, **kwargs))
 
@@ -305,8 +324,12 @@ def test_diagram_is_legible(name, args, kwargs):
 @pytest.fixture
 def token_arrays(rng):
     E, Dk, Dv = 5, 3, 2
-    return (rng.standard_normal(E), rng.standard_normal((E, Dk)), rng.standard_normal((E, Dk)),
-            rng.standard_normal((E, Dv)))
+    return (
+        rng.standard_normal(E),
+        rng.standard_normal((E, Dk)),
+        rng.standard_normal((E, Dk)),
+        rng.standard_normal((E, Dv)),
+    )
 
 
 def test_token_qkv_labels_the_shapes_and_values_it_was_given(token_arrays):
@@ -327,17 +350,27 @@ def test_token_qkv_labels_the_shapes_and_values_it_was_given(token_arrays):
 
 def test_token_qkv_changes_with_the_width(rng):
     E = 4
-    figs = [dg.token_qkv_diagram(rng.standard_normal(E), rng.standard_normal((E, d)),
-                                 rng.standard_normal((E, d)), rng.standard_normal((E, 2)))
-            for d in (3, 6)]
+    figs = [
+        dg.token_qkv_diagram(
+            rng.standard_normal(E),
+            rng.standard_normal((E, d)),
+            rng.standard_normal((E, d)),
+            rng.standard_normal((E, 2)),
+        )
+        for d in (3, 6)
+    ]
     assert "(4, 6)" in shapes(figs[1]) and "(4, 6)" not in shapes(figs[0])
     assert dg.tagged_rects(figs[1])["q"].width > dg.tagged_rects(figs[0])["q"].width
 
 
 def test_token_qkv_hides_values_when_the_cells_are_too_narrow(rng):
     E = 40
-    fig = dg.token_qkv_diagram(rng.standard_normal(E), rng.standard_normal((E, 8)),
-                               rng.standard_normal((E, 8)), rng.standard_normal((E, 8)))
+    fig = dg.token_qkv_diagram(
+        rng.standard_normal(E),
+        rng.standard_normal((E, 8)),
+        rng.standard_normal((E, 8)),
+        rng.standard_normal((E, 8)),
+    )
     assert not [t for t in dg.figure_texts(fig) if t[:1].isdigit() or t[:1] == "\N{MINUS SIGN}"]
     assert_legible(fig)
 
@@ -355,7 +388,9 @@ def test_token_qkv_rejects_a_missing_array(token_arrays):
 
 def test_token_qkv_rejects_a_complex_array(token_arrays):
     x, W_q, W_k, W_v = token_arrays
-    with pytest.raises(TypeError, match="x must be a 1-D array of real numbers; got dtype complex128"):
+    with pytest.raises(
+        TypeError, match="x must be a 1-D array of real numbers; got dtype complex128"
+    ):
         dg.token_qkv_diagram(x + 1j, W_q, W_k, W_v)
 
 
@@ -373,7 +408,10 @@ def test_token_qkv_rejects_a_projection_with_the_wrong_rows(token_arrays):
 
 def test_token_qkv_rejects_query_and_key_widths_that_differ(token_arrays):
     x, W_q, W_k, W_v = token_arrays
-    with pytest.raises(ValueError, match=r"W_q and W_k must share the width Dk; got W_q.shape=\(5, 3\), W_k.shape=\(5, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"W_q and W_k must share the width Dk; got W_q.shape=\(5, 3\), W_k.shape=\(5, 2\)",
+    ):
         dg.token_qkv_diagram(x, W_q, W_k[:, :2], W_v)
 
 
@@ -393,9 +431,21 @@ def test_pipeline_labels_every_shape_it_was_given():
     # Q (T, Dk), scores (T, S), weights (T, S), O (T, Dv), K^T (Dk, S), V (S, Dv)
     assert shapes(fig) == ["(3, 7)", "(3, 5)", "(3, 5)", "(3, 2)", "(7, 5)", "(5, 2)"]
     texts = dg.figure_texts(fig)
-    for label in ("queries $Q$", "keys $K^\\top$", "scores $QK^\\top$", "weights $A$",
-                  "values $V$", "out $O = AV$", "$(T, D_k)$", "$(D_k, S)$", "$(S, D_v)$",
-                  "$\\div\\sqrt{D_k}$", "causal\nmask", "softmax", "$Z$"):
+    for label in (
+        "queries $Q$",
+        "keys $K^\\top$",
+        "scores $QK^\\top$",
+        "weights $A$",
+        "values $V$",
+        "out $O = AV$",
+        "$(T, D_k)$",
+        "$(D_k, S)$",
+        "$(S, D_v)$",
+        "$\\div\\sqrt{D_k}$",
+        "causal\nmask",
+        "softmax",
+        "$Z$",
+    ):
         assert label in texts, label
 
 
@@ -403,10 +453,18 @@ def test_pipeline_grids_keep_the_proportions_of_the_sizes():
     T, S, Dk, Dv = 3, 5, 7, 2
     rects = dg.tagged_rects(build("attention_pipeline_diagram", T, S, Dk, Dv))
     unit = rects["Q"].width / Dk
-    expected = {"Q": (Dk, T), "K^T": (S, Dk), "scores": (S, T), "weights": (S, T),
-                "V": (Dv, S), "O": (Dv, T)}
+    expected = {
+        "Q": (Dk, T),
+        "K^T": (S, Dk),
+        "scores": (S, T),
+        "weights": (S, T),
+        "V": (Dv, S),
+        "O": (Dv, T),
+    }
     for tag, (cols, rows) in expected.items():
-        assert (rects[tag].width, rects[tag].height) == pytest.approx((cols * unit, rows * unit)), tag
+        assert (rects[tag].width, rects[tag].height) == pytest.approx((cols * unit, rows * unit)), (
+            tag
+        )
 
 
 def test_pipeline_greys_the_causal_cells_of_the_weights_only_with_a_mask():
@@ -416,7 +474,9 @@ def test_pipeline_greys_the_causal_cells_of_the_weights_only_with_a_mask():
         return sum(len(corners) for corners in masked_corners(fig).values())
 
     # top-left causal: query i sees keys j <= i, so row i masks S - 1 - i keys
-    assert grey_cells(build("attention_pipeline_diagram", T, S, 7, 2)) == sum(S - 1 - i for i in range(T))
+    assert grey_cells(build("attention_pipeline_diagram", T, S, 7, 2)) == sum(
+        S - 1 - i for i in range(T)
+    )
     fig = build("attention_pipeline_diagram", T, S, 7, 2, mask=False)
     assert grey_cells(fig) == 0 and "causal\nmask" not in dg.figure_texts(fig)
 
@@ -479,8 +539,11 @@ def test_multihead_grids_keep_the_proportions_and_split_into_heads():
     # H - 1 heavy lines split Q, K, V and the concatenation into heads
     from matplotlib.collections import LineCollection
 
-    heavy = [c for c in fig.axes[0].collections
-             if isinstance(c, LineCollection) and c.get_linewidths()[0] == 1.6]
+    heavy = [
+        c
+        for c in fig.axes[0].collections
+        if isinstance(c, LineCollection) and c.get_linewidths()[0] == 1.6
+    ]
     assert [len(c.get_segments()) for c in heavy] == [H - 1] * 4
 
 
@@ -524,7 +587,10 @@ def test_grouped_heads_name_the_three_kinds():
     fig = build("grouped_heads_diagram", 8, (8, 2, 1))
     texts = dg.figure_texts(fig)
     assert [t for t in texts if "(" in t and "A)" in t] == [
-        "multi-head (MHA)", "grouped-query (GQA)", "multi-query (MQA)"]
+        "multi-head (MHA)",
+        "grouped-query (GQA)",
+        "multi-query (MQA)",
+    ]
     assert "$H_q = 8$, $H_{kv} = 2$, $G = 4$" in texts
     assert "cached: 2 key and 2 value heads" in texts and "cached: 1 key and 1 value head" in texts
     assert texts[-3:] == ["query head", "key head", "value head"]
@@ -537,7 +603,10 @@ def test_grouped_heads_changes_with_the_number_of_key_value_heads():
 
 
 def test_grouped_heads_rejects_a_count_that_does_not_divide():
-    with pytest.raises(ValueError, match="Hkv must divide Hq, so that query heads form equal groups; got Hq=8, Hkv=3"):
+    with pytest.raises(
+        ValueError,
+        match="Hkv must divide Hq, so that query heads form equal groups; got Hq=8, Hkv=3",
+    ):
         dg.grouped_heads_diagram(8, [8, 3])
 
 
@@ -591,7 +660,10 @@ def test_masks_square_match_hand_computed_causal_padding_and_window():
     np.testing.assert_array_equal(pad6, np.ones((T, S), dtype=bool))
     np.testing.assert_array_equal(window, loop_mask(T, S, lambda i, j: i - 3 < j <= i))
     texts = dg.figure_texts(fig)
-    assert [t for t in texts if t.startswith("padding")] == ["padding, length 4", "padding, length 6"]
+    assert [t for t in texts if t.startswith("padding")] == [
+        "padding, length 4",
+        "padding, length 6",
+    ]
     assert "sliding window, $w = 3$" in texts and "the 3 most recent keys" in texts
     assert texts.count("(6, 6)") == 4 and texts[-2:] == ["may attend", "masked"]
     assert "$S - T" not in " ".join(texts)  # no alignment to explain when T == S
@@ -648,7 +720,9 @@ def test_masks_reject_a_length_beyond_the_keys():
 
 
 def test_masks_reject_too_many_lengths():
-    with pytest.raises(ValueError, match="lengths must hold one to three sequence lengths .*; got 4"):
+    with pytest.raises(
+        ValueError, match="lengths must hold one to three sequence lengths .*; got 4"
+    ):
         dg.mask_geometry_diagram(4, 4, lengths=[1, 2, 3, 4])
 
 
@@ -687,18 +761,29 @@ def test_kv_cache_prefill_is_causal_and_each_step_sees_every_cached_key():
 def test_kv_cache_labels_the_cache_and_the_steps():
     fig = build("kv_cache_diagram", 5, 3)
     texts = dg.figure_texts(fig)
-    assert [t for t in texts if t.startswith("step")] == ["step 1: query 5", "step 2: query 6",
-                                                         "step 3: query 7"]
+    assert [t for t in texts if t.startswith("step")] == [
+        "step 1: query 5",
+        "step 2: query 6",
+        "step 3: query 7",
+    ]
     assert [t for t in texts if t.startswith("cache")] == [
-        "cache: 5 keys, 5 values", "cache: 6 keys, 6 values", "cache: 7 keys, 7 values",
-        "cache: 8 keys, 8 values"]
-    assert "5 keys and values written at once" in texts and "prefill: 5 queries\nat once, causal" in texts
+        "cache: 5 keys, 5 values",
+        "cache: 6 keys, 6 values",
+        "cache: 7 keys, 7 values",
+        "cache: 8 keys, 8 values",
+    ]
+    assert (
+        "5 keys and values written at once" in texts
+        and "prefill: 5 queries\nat once, causal" in texts
+    )
     assert [t for t in texts if t.isdigit()] == [str(j) for j in range(8)]  # key positions
 
 
 def test_kv_cache_changes_with_the_prompt():
     a, b = build("kv_cache_diagram", 5, 3), build("kv_cache_diagram", 1, 1)
-    assert "cache: 8 keys, 8 values" in dg.figure_texts(a) and "cache: 8 keys, 8 values" not in dg.figure_texts(b)
+    assert "cache: 8 keys, 8 values" in dg.figure_texts(
+        a
+    ) and "cache: 8 keys, 8 values" not in dg.figure_texts(b)
     assert "cache: 1 key, 1 value" in dg.figure_texts(b)
 
 
@@ -708,7 +793,10 @@ def test_kv_cache_rejects_a_count_that_is_not_positive():
 
 
 def test_kv_cache_rejects_too_many_tokens_to_draw():
-    with pytest.raises(ValueError, match="prompt_len \\+ new_tokens must be at most 32 to be drawn legibly; got prompt_len \\+ new_tokens=33"):
+    with pytest.raises(
+        ValueError,
+        match="prompt_len \\+ new_tokens must be at most 32 to be drawn legibly; got prompt_len \\+ new_tokens=33",
+    ):
         dg.kv_cache_diagram(30, 3)
 
 
@@ -721,11 +809,34 @@ def test_flash_loop_labels_slow_and_fast_memory_with_the_given_shapes():
     fig = build("flash_loop_diagram", T, S, Bq, Bk, Dk, Dv)
     # slow: Q (T, Dk), scores (T, S), O (T, Dv), lse (T,), K^T (Dk, S), V (S, Dv);
     # fast: Q_i (Bq, Dk), tile (Bq, Bk), acc (Bq, Dv), m (Bq,), l (Bq,), K_j^T (Dk, Bk), V_j (Bk, Dv)
-    assert shapes(fig) == ["(6, 3)", "(6, 10)", "(6, 7)", "(6,)", "(3, 10)", "(10, 7)",
-                           "(2, 3)", "(2, 5)", "(2, 7)", "(2,)", "(2,)", "(3, 5)", "(5, 7)"]
+    assert shapes(fig) == [
+        "(6, 3)",
+        "(6, 10)",
+        "(6, 7)",
+        "(6,)",
+        "(3, 10)",
+        "(10, 7)",
+        "(2, 3)",
+        "(2, 5)",
+        "(2, 7)",
+        "(2,)",
+        "(2,)",
+        "(3, 5)",
+        "(5, 7)",
+    ]
     texts = dg.figure_texts(fig)
-    for label in ("slow memory (HBM)", "fast memory (SRAM)", "$m$", "$\\ell$", "acc", "lse",
-                  "load $Q_i$", "load $K_j$, $V_j$", "write $O_i$, lse$_i$", "scores: never stored"):
+    for label in (
+        "slow memory (HBM)",
+        "fast memory (SRAM)",
+        "$m$",
+        "$\\ell$",
+        "acc",
+        "lse",
+        "load $Q_i$",
+        "load $K_j$, $V_j$",
+        "write $O_i$, lse$_i$",
+        "scores: never stored",
+    ):
         assert label in texts, label
 
 
@@ -734,7 +845,9 @@ def test_flash_loop_numbers_the_tiles_in_loop_order():
     fig = build("flash_loop_diagram", T, S, Bq, Bk, 3, 2)
     rects = dg.tagged_rects(fig)
     tiles = rects["tiles"]
-    numbers = {int(t.get_text()): t.get_position() for t in fig.axes[0].texts if t.get_text().isdigit()}
+    numbers = {
+        int(t.get_text()): t.get_position() for t in fig.axes[0].texts if t.get_text().isdigit()
+    }
     assert sorted(numbers) == list(range(1, 7))
     # tile n = i * n_k + j + 1: the inner loop runs over key blocks j (left to right), the
     # outer over query blocks i (top to bottom)
@@ -748,17 +861,34 @@ def test_flash_loop_grids_keep_the_proportions_in_both_memories():
     T, S, Bq, Bk, Dk, Dv = 6, 10, 2, 5, 3, 7
     rects = dg.tagged_rects(build("flash_loop_diagram", T, S, Bq, Bk, Dk, Dv))
     unit = rects["Q"].height / T
-    expected = {"Q": (Dk, T), "tiles": (S, T), "O": (Dv, T), "lse": (1, T), "K^T": (S, Dk),
-                "V": (Dv, S), "Q_i": (Dk, Bq), "tile": (Bk, Bq), "acc": (Dv, Bq), "m": (1, Bq),
-                "l": (1, Bq), "K_j^T": (Bk, Dk), "V_j": (Dv, Bk)}
+    expected = {
+        "Q": (Dk, T),
+        "tiles": (S, T),
+        "O": (Dv, T),
+        "lse": (1, T),
+        "K^T": (S, Dk),
+        "V": (Dv, S),
+        "Q_i": (Dk, Bq),
+        "tile": (Bk, Bq),
+        "acc": (Dv, Bq),
+        "m": (1, Bq),
+        "l": (1, Bq),
+        "K_j^T": (Bk, Dk),
+        "V_j": (Dv, Bk),
+    }
     for tag, (cols, rows) in expected.items():
-        assert (rects[tag].width, rects[tag].height) == pytest.approx((cols * unit, rows * unit)), tag
+        assert (rects[tag].width, rects[tag].height) == pytest.approx((cols * unit, rows * unit)), (
+            tag
+        )
     # fast memory sits below slow memory
     assert rects["fast memory (SRAM)"].y1 < rects["slow memory (HBM)"].y0
 
 
 def test_flash_loop_changes_with_the_tile_size():
-    a, b = build("flash_loop_diagram", 8, 8, 2, 2, 4, 4), build("flash_loop_diagram", 8, 8, 4, 2, 4, 4)
+    a, b = (
+        build("flash_loop_diagram", 8, 8, 2, 2, 4, 4),
+        build("flash_loop_diagram", 8, 8, 4, 2, 4, 4),
+    )
     count = lambda fig: len([t for t in dg.figure_texts(fig) if t.isdigit()])  # noqa: E731
     assert (count(a), count(b)) == (16, 8)
     ratio = lambda fig: dg.tagged_rects(fig)["tile"].height / dg.tagged_rects(fig)["Q"].height  # noqa: E731
@@ -771,12 +901,16 @@ def test_flash_loop_with_large_sizes_labels_them():
 
 
 def test_flash_loop_rejects_a_query_block_larger_than_the_queries():
-    with pytest.raises(ValueError, match="Bq must be at most T: a query block holds at most T rows; got Bq=8, T=6"):
+    with pytest.raises(
+        ValueError, match="Bq must be at most T: a query block holds at most T rows; got Bq=8, T=6"
+    ):
         dg.flash_loop_diagram(6, 8, 8, 2, 3, 2)
 
 
 def test_flash_loop_rejects_a_key_block_larger_than_the_keys():
-    with pytest.raises(ValueError, match="Bk must be at most S: a key block holds at most S keys; got Bk=9, S=8"):
+    with pytest.raises(
+        ValueError, match="Bk must be at most S: a key block holds at most S keys; got Bk=9, S=8"
+    ):
         dg.flash_loop_diagram(6, 8, 2, 9, 3, 2)
 
 
@@ -797,13 +931,26 @@ def test_flash_loop_rejects_a_tile_size_that_is_not_an_integer():
 def test_backward_graph_shows_each_stage_with_its_shape():
     T, S, Dk, Dv = 3, 5, 7, 2
     fig = build("backward_graph_diagram", T=T, S=S, Dk=Dk, Dv=Dv)
-    texts = {t.splitlines()[0].split(" = ")[0].strip("$"): t.splitlines()[1:] for t in dg.figure_texts(fig)
-             if t.count("\n") == 2}
-    expected = {"Q": ("T, D_k", "(3, 7)"), "K": ("S, D_k", "(5, 7)"), "Z": ("T, S", "(3, 5)"),
-                "A": ("T, S", "(3, 5)"), "V": ("S, D_v", "(5, 2)"), "O": ("T, D_v", "(3, 2)"),
-                "dO": ("T, D_v", "(3, 2)"), "dV": ("S, D_v", "(5, 2)"), "dA": ("T, S", "(3, 5)"),
-                "\\delta_i": ("T,", "(3,)"), "dZ": ("T, S", "(3, 5)"), "dQ": ("T, D_k", "(3, 7)"),
-                "dK": ("S, D_k", "(5, 7)")}
+    texts = {
+        t.splitlines()[0].split(" = ")[0].strip("$"): t.splitlines()[1:]
+        for t in dg.figure_texts(fig)
+        if t.count("\n") == 2
+    }
+    expected = {
+        "Q": ("T, D_k", "(3, 7)"),
+        "K": ("S, D_k", "(5, 7)"),
+        "Z": ("T, S", "(3, 5)"),
+        "A": ("T, S", "(3, 5)"),
+        "V": ("S, D_v", "(5, 2)"),
+        "O": ("T, D_v", "(3, 2)"),
+        "dO": ("T, D_v", "(3, 2)"),
+        "dV": ("S, D_v", "(5, 2)"),
+        "dA": ("T, S", "(3, 5)"),
+        "\\delta_i": ("T,", "(3,)"),
+        "dZ": ("T, S", "(3, 5)"),
+        "dQ": ("T, D_k", "(3, 7)"),
+        "dK": ("S, D_k", "(5, 7)"),
+    }
     assert {k: (v[0][2:-2], v[1]) for k, v in texts.items()} == expected
 
 
@@ -811,7 +958,9 @@ def test_backward_graph_puts_each_gradient_under_what_it_is_the_gradient_of():
     rects = dg.tagged_rects(build("backward_graph_diagram"))
     for x in ("O", "A", "Z", "K"):
         assert rects[f"d{x}"].y1 < rects[x].y0 and rects[f"d{x}"].cx == pytest.approx(rects[x].cx)
-    assert rects["dV"].cx == pytest.approx(rects["V"].cx) and rects["dQ"].cx == pytest.approx(rects["Q"].cx)
+    assert rects["dV"].cx == pytest.approx(rects["V"].cx) and rects["dQ"].cx == pytest.approx(
+        rects["Q"].cx
+    )
     # the row term sits between the forward and the backward rows
     assert rects["dA"].y1 < rects["delta"].y0 and rects["delta"].y1 < rects["A"].y0
 
@@ -824,29 +973,47 @@ def test_backward_graph_links_follow_the_chain_rule():
 
     def touching(point):
         tol = 0.02  # inches: the drawn tip stops a line width short
-        return {k for k, r in rects.items()
-                if r.x0 - tol <= point[0] <= r.x1 + tol and r.y0 - tol <= point[1] <= r.y1 + tol}
+        return {
+            k
+            for k, r in rects.items()
+            if r.x0 - tol <= point[0] <= r.x1 + tol and r.y0 - tol <= point[1] <= r.y1 + tol
+        }
 
     links = set()
     for arrow in fig.axes[0].patches:
         if isinstance(arrow, FancyArrowPatch):
             (a,), (b,) = (touching(end) for end in arrow_ends(arrow))
             links.add((a, b))
-    assert links == {("Q", "Z"), ("K", "Z"), ("Z", "A"), ("A", "O"), ("V", "O"),
-                     ("dO", "dV"), ("dO", "dA"), ("dA", "dZ"), ("dO", "delta"), ("delta", "dZ"),
-                     ("dZ", "dQ"), ("dZ", "dK")}
+    assert links == {
+        ("Q", "Z"),
+        ("K", "Z"),
+        ("Z", "A"),
+        ("A", "O"),
+        ("V", "O"),
+        ("dO", "dV"),
+        ("dO", "dA"),
+        ("dA", "dZ"),
+        ("dO", "delta"),
+        ("delta", "dZ"),
+        ("dZ", "dQ"),
+        ("dZ", "dK"),
+    }
 
 
 def test_backward_graph_changes_with_the_sizes():
     a = dg.figure_texts(build("backward_graph_diagram", T=3, S=5, Dk=7, Dv=2))
     b = dg.figure_texts(build("backward_graph_diagram", T=3, S=6, Dk=7, Dv=2))
     assert any("(3, 6)" in t for t in b) and not any("(3, 6)" in t for t in a)
-    assert not any("(" in t.splitlines()[-1][:2] and t.splitlines()[-1][1:2].isdigit()
-                   for t in dg.figure_texts(dg.backward_graph_diagram()))  # symbols only
+    assert not any(
+        "(" in t.splitlines()[-1][:2] and t.splitlines()[-1][1:2].isdigit()
+        for t in dg.figure_texts(dg.backward_graph_diagram())
+    )  # symbols only
 
 
 def test_backward_graph_rejects_some_sizes_without_the_others():
-    with pytest.raises(ValueError, match="give all four sizes T, S, Dk, Dv or none; got T, S without Dk, Dv"):
+    with pytest.raises(
+        ValueError, match="give all four sizes T, S, Dk, Dv or none; got T, S without Dk, Dv"
+    ):
         dg.backward_graph_diagram(T=3, S=5)
 
 
@@ -876,7 +1043,11 @@ def test_transformer_block_post_norm_normalises_the_stream_after_each_add():
     fig = build("transformer_block_diagram", norm="post")
     rects = dg.tagged_rects(fig)
     stream_y = [t for t in fig.axes[0].lines if t.get_linewidth() == 3.0][0].get_ydata()[0]
-    adds = {p.get_label()[5:]: p.center[0] for p in fig.axes[0].patches if p.get_label().startswith("_add ")}
+    adds = {
+        p.get_label()[5:]: p.center[0]
+        for p in fig.axes[0].patches
+        if p.get_label().startswith("_add ")
+    }
     for n, sub in ((1, "attention"), (2, "mlp")):
         norm = rects[f"norm {n}"]
         assert norm.y0 < stream_y < norm.y1  # on the stream itself

@@ -123,7 +123,9 @@ def test_the_dog_near_the_cats_resolves_agreement():
     five others. "them" (pronoun, plural) is the mirror image with "cats"."""
     ex = the_dog_near_the_cats()
     T = len(ex.tokens)
-    assert ex.X.shape == (T, 8) and ex.W_q.shape == ex.W_k.shape == (8, 3) and ex.W_v.shape == (8, 2)
+    assert (
+        ex.X.shape == (T, 8) and ex.W_q.shape == ex.W_k.shape == (8, 3) and ex.W_v.shape == (8, 2)
+    )
     for array in (ex.X, ex.Q, ex.K, ex.V, ex.W_q, ex.W_k, ex.W_v):
         assert not array.flags.writeable
     _, weights = scaled_dot_product_attention(ex.Q, ex.K, ex.V, return_weights=True)

@@ -62,9 +62,13 @@ def test_hold_moves_nothing_but_takes_space():
 def test_a_load_beyond_capacity_raises_and_changes_nothing():
     mem = TwoLevelMemory(8)
     mem.load("a", np.ones(5))
-    with pytest.raises(FastMemoryOverflow, match=(
+    with pytest.raises(
+        FastMemoryOverflow,
+        match=(
             r"fast memory of 8 words cannot hold 'b' \(4 words\) beside the 5 words it holds "
-            r"already \(a: 5\)")):
+            r"already \(a: 5\)"
+        ),
+    ):
         mem.load("b", np.ones(4))
     assert (mem.loads, mem.used, "b" in mem) == (5, 5, False)
 
@@ -95,7 +99,9 @@ def test_getitem_returns_the_fast_array():
 
 @pytest.mark.parametrize("bad", [0, -3])
 def test_capacity_must_be_positive(bad):
-    with pytest.raises(ValueError, match=rf"capacity must be a positive integer \(words\); got {bad}"):
+    with pytest.raises(
+        ValueError, match=rf"capacity must be a positive integer \(words\); got {bad}"
+    ):
         TwoLevelMemory(bad)
 
 
@@ -126,8 +132,11 @@ def test_storing_or_freeing_what_is_not_held():
 def test_store_target_must_match():
     mem = TwoLevelMemory(4)
     mem.hold("x", [1.0, 2.0])
-    with pytest.raises(ValueError, match=r"target must be a NumPy array .* of the shape of 'x', "
-                                         r"\(2,\); got \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"target must be a NumPy array .* of the shape of 'x', "
+        r"\(2,\); got \(3,\)",
+    ):
         mem.store("x", np.zeros(3))
     with pytest.raises(ValueError, match="got list"):
         mem.store("x", [0.0, 0.0])
@@ -277,8 +286,9 @@ def test_the_theorem_in_numbers(rng):
 def test_output_is_attention(algorithm, T, S, Dk, Dv, M, rng):
     q, k, v = qkv(rng, T, S, Dk, Dv)
     count = algorithm(q, k, v, capacity=M)
-    np.testing.assert_allclose(count.out, scaled_dot_product_attention(q, k, v), rtol=1e-12,
-                               atol=1e-13)
+    np.testing.assert_allclose(
+        count.out, scaled_dot_product_attention(q, k, v), rtol=1e-12, atol=1e-13
+    )
     assert count.peak <= M
 
 
@@ -286,15 +296,18 @@ def test_output_is_attention(algorithm, T, S, Dk, Dv, M, rng):
 def test_explicit_scale(algorithm, rng):
     q, k, v = qkv(rng, 9, 6, 3, 2)
     count = algorithm(q, k, v, capacity=100, scale=2.5)
-    np.testing.assert_allclose(count.out, scaled_dot_product_attention(q, k, v, scale=2.5),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        count.out, scaled_dot_product_attention(q, k, v, scale=2.5), rtol=1e-12
+    )
 
 
 @pytest.mark.parametrize(
     "algorithm, blocks",
-    [(textbook_attention_io, dict(block=8)),
-     (flash_attention_io, dict(block_q=8, block_k=8)),
-     (flash_attention2_io, dict(block_q=8, block_k=8))],
+    [
+        (textbook_attention_io, dict(block=8)),
+        (flash_attention_io, dict(block_q=8, block_k=8)),
+        (flash_attention2_io, dict(block_q=8, block_k=8)),
+    ],
 )
 def test_blocks_too_large_for_the_capacity_raise(algorithm, blocks, rng):
     with pytest.raises(FastMemoryOverflow, match="fast memory of 64 words cannot hold"):
@@ -314,8 +327,11 @@ def test_textbook_block_size(d, M, b):
 
 
 def test_textbook_block_size_too_small():
-    with pytest.raises(ValueError, match=r"capacity must hold one row of Q, one of K and a score, "
-                                         r"2 d \+ 1 = 9 words for d = 4; got capacity=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"capacity must hold one row of Q, one of K and a score, "
+        r"2 d \+ 1 = 9 words for d = 4; got capacity=8",
+    ):
         textbook_block_size(4, 8)
 
 
@@ -349,8 +365,9 @@ def test_flash_block_sizes_unknown_order():
 
 def test_flash_block_sizes_capacity_too_small():
     # Bc = 19 // 8 = 2 and Br = 1 need 2 * 4 + 1 * 10 + 2 = 20 words (20 would fit).
-    with pytest.raises(ValueError, match="capacity=19 words cannot hold blocks of one row of "
-                                         "widths dk=2 and dv=2"):
+    with pytest.raises(
+        ValueError, match="capacity=19 words cannot hold blocks of one row of widths dk=2 and dv=2"
+    ):
         flash_block_sizes(2, 2, 19, loop_order="kv_outer")
 
 
@@ -358,7 +375,9 @@ def test_flash_block_sizes_capacity_too_small():
 def test_block_size_capacity_of_the_wrong_kind(function):
     kwargs = {} if function is textbook_block_size else dict(loop_order="q_outer")
     args = (4, 100.0) if function is textbook_block_size else (4, 4, 100.0)
-    with pytest.raises(TypeError, match=r"capacity must be a positive integer \(words\); got 100.0"):
+    with pytest.raises(
+        TypeError, match=r"capacity must be a positive integer \(words\); got 100.0"
+    ):
         function(*args, **kwargs)
 
 
@@ -409,8 +428,13 @@ def test_capacity_of_the_algorithms(algorithm, rng):
 
 
 @pytest.mark.parametrize(
-    "algorithm, name", [(textbook_attention_io, "block"), (flash_attention_io, "block_q"),
-                        (flash_attention2_io, "block_k")])
+    "algorithm, name",
+    [
+        (textbook_attention_io, "block"),
+        (flash_attention_io, "block_q"),
+        (flash_attention2_io, "block_k"),
+    ],
+)
 def test_given_block_sizes_are_checked(algorithm, name, rng):
     with pytest.raises(ValueError, match=f"{name} must be a positive integer; got 0"):
         algorithm(*qkv(rng, 4, 5, 3, 2), capacity=100, **{name: 0})

@@ -52,8 +52,7 @@ def imported_modules(module: str) -> set[str]:
     found = set()
     for path in source_files(module):
         depth = len(path.relative_to(PACKAGE).parts)  # 1 in sdpa/, 2 in a subpackage
-        # Top-level statements only: test_no_import_inside_a_function keeps imports there
-        # (a moved name's forwarding in a module __getattr__ aside).
+        # Top-level statements only: test_no_import_inside_a_function keeps imports there.
         for node in ast.parse(path.read_text()).body:
             if not isinstance(node, ast.ImportFrom) or node.level != depth:
                 continue
@@ -92,8 +91,6 @@ def test_no_import_inside_a_function():
         tree = ast.parse(path.read_text())
         for func in ast.walk(tree):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if func.name == "__getattr__":  # a moved name's forwarding, kept for a while
                 continue
             for node in ast.walk(func):
                 if isinstance(node, ast.ImportFrom) and node.level >= 1:
@@ -178,22 +175,8 @@ def test_no_underscored_name_of_sdpa_is_used_outside_it(path):
     assert not underscored, f"{path.name} uses internals of sdpa: {underscored}"
 
 
-# Pages that other branches are rewriting: their imports move to sdpa.problem when merged.
-PAGES_NOT_YET_UPDATED = {"book/cost/memory-efficient.md"}
-
-
 @pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            p,
-            marks=pytest.mark.xfail(reason="imports sdpa.attention.prepare_attention until merged")
-            if str(p.relative_to(ROOT)) in PAGES_NOT_YET_UPDATED
-            else (),
-        )
-        for p in outside_files("benchmarks", "book")
-    ],
-    ids=lambda p: str(p.relative_to(ROOT)),
+    "path", outside_files("benchmarks", "book"), ids=lambda p: str(p.relative_to(ROOT))
 )
 def test_the_book_and_the_benchmarks_import_only_public_names(path):
     private = []

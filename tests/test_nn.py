@@ -94,12 +94,17 @@ def test_rms_norm_hand_computed():
 
 def test_gelu_hand_computed():
     # Phi(1) = (1 + erf(1/sqrt 2)) / 2 = 0.841344746068543 (tables of the normal distribution)
-    np.testing.assert_allclose(nn.gelu(np.array([1.0, -1.0, 0.0])),
-                               [0.841344746068543, -0.158655253931457, 0.0], rtol=1e-14, atol=0)
+    np.testing.assert_allclose(
+        nn.gelu(np.array([1.0, -1.0, 0.0])),
+        [0.841344746068543, -0.158655253931457, 0.0],
+        rtol=1e-14,
+        atol=0,
+    )
     # tanh form at 1: u = sqrt(2/pi) * 1.044715
     u = math.sqrt(2 / math.pi) * 1.044715
-    np.testing.assert_allclose(nn.gelu(np.array([1.0]), approximate="tanh"),
-                               [0.5 * (1 + math.tanh(u))], rtol=1e-15)
+    np.testing.assert_allclose(
+        nn.gelu(np.array([1.0]), approximate="tanh"), [0.5 * (1 + math.tanh(u))], rtol=1e-15
+    )
 
 
 def test_cross_entropy_hand_computed():
@@ -124,8 +129,10 @@ def test_forward_matches_torch(torch, data):
         t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in d.items()}
         cases = [
             (nn.linear(d["x"], d["weight"], d["bias"]), F.linear(t["x"], t["weight"].T, t["bias"])),
-            (nn.layer_norm(d["x"], d["gain"], d["shift"]),
-             F.layer_norm(t["x"], (E,), t["gain"], t["shift"], eps=1e-5)),
+            (
+                nn.layer_norm(d["x"], d["gain"], d["shift"]),
+                F.layer_norm(t["x"], (E,), t["gain"], t["shift"], eps=1e-5),
+            ),
             (nn.rms_norm(d["x"], d["gain"]), F.rms_norm(t["x"], (E,), t["gain"], eps=1e-6)),
             (nn.gelu(d["x"]), F.gelu(t["x"])),
             (nn.gelu(d["x"], approximate="tanh"), F.gelu(t["x"], approximate="tanh")),
@@ -135,7 +142,8 @@ def test_forward_matches_torch(torch, data):
             np.testing.assert_allclose(ours, theirs.numpy(), **tol)
         ce = F.cross_entropy(t["logits"].reshape(-1, V), t["targets"].reshape(-1))
         assert nn.cross_entropy(d["logits"], d["targets"]) == pytest.approx(
-            ce.item(), rel=tol["rtol"], abs=tol["atol"])
+            ce.item(), rel=tol["rtol"], abs=tol["atol"]
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,15 +155,30 @@ def backward_cases(d):
     """(name, forward f, args, cotangent, our gradients of sum(d_y * f(*args)) for each arg)."""
     x, W, b, g, s = d["x"], d["weight"], d["bias"], d["gain"], d["shift"]
     return [
-        ("linear", nn.linear, (x, W, b), d["d_linear"],
-         nn.linear_backward(d["d_linear"], x, W, b)),
-        ("linear-no-bias", nn.linear, (x, W), d["d_linear"],
-         nn.linear_backward(d["d_linear"], x, W)[:2]),
-        ("layer_norm", nn.layer_norm, (x, g, s), d["d_x"], nn.layer_norm_backward(d["d_x"], x, g, s)),
+        ("linear", nn.linear, (x, W, b), d["d_linear"], nn.linear_backward(d["d_linear"], x, W, b)),
+        (
+            "linear-no-bias",
+            nn.linear,
+            (x, W),
+            d["d_linear"],
+            nn.linear_backward(d["d_linear"], x, W)[:2],
+        ),
+        (
+            "layer_norm",
+            nn.layer_norm,
+            (x, g, s),
+            d["d_x"],
+            nn.layer_norm_backward(d["d_x"], x, g, s),
+        ),
         ("rms_norm", nn.rms_norm, (x, g), d["d_x"], nn.rms_norm_backward(d["d_x"], x, g)),
         ("gelu", nn.gelu, (x,), d["d_x"], (nn.gelu_backward(d["d_x"], x),)),
-        ("gelu-tanh", lambda x: nn.gelu(x, approximate="tanh"), (x,), d["d_x"],
-         (nn.gelu_backward(d["d_x"], x, approximate="tanh"),)),
+        (
+            "gelu-tanh",
+            lambda x: nn.gelu(x, approximate="tanh"),
+            (x,),
+            d["d_x"],
+            (nn.gelu_backward(d["d_x"], x, approximate="tanh"),),
+        ),
     ]
 
 
@@ -167,8 +190,9 @@ def test_backward_matches_central_differences(data, case):
     name, f, args, d_y, grads = backward_cases(data)[case]
     assert name == CASES[case] and len(grads) == len(args)
     for i, grad in enumerate(grads):
-        np.testing.assert_allclose(grad, central_differences(f, args, d_y, i), **FD,
-                                   err_msg=f"{name}, argument {i}")
+        np.testing.assert_allclose(
+            grad, central_differences(f, args, d_y, i), **FD, err_msg=f"{name}, argument {i}"
+        )
 
 
 def test_cross_entropy_backward_matches_central_differences(data):
@@ -176,7 +200,8 @@ def test_cross_entropy_backward_matches_central_differences(data):
     targets[0, 1] = -1  # one ignored row
     grad = nn.cross_entropy_backward(data["logits"], targets, ignore_index=-1)
     numeric = central_differences(
-        lambda z: nn.cross_entropy(z, targets, ignore_index=-1), (data["logits"],), 1.0, 0)
+        lambda z: nn.cross_entropy(z, targets, ignore_index=-1), (data["logits"],), 1.0, 0
+    )
     np.testing.assert_allclose(grad, numeric, **FD)
     np.testing.assert_array_equal(grad[0, 1], 0.0)
 
@@ -227,15 +252,18 @@ def test_cross_entropy_backward_matches_torch(torch, data, dtype, ignore_index):
         targets[1, ::2] = ignore_index
     z = torch.tensor(logits, requires_grad=True)
     loss = torch.nn.functional.cross_entropy(
-        z.reshape(-1, V), torch.tensor(targets).reshape(-1),
-        ignore_index=-100 if ignore_index is None else ignore_index)
+        z.reshape(-1, V),
+        torch.tensor(targets).reshape(-1),
+        ignore_index=-100 if ignore_index is None else ignore_index,
+    )
     loss.backward()
     tol = F64 if dtype == np.float64 else F32
     ours = nn.cross_entropy_backward(logits, targets, ignore_index=ignore_index)
     assert ours.dtype == dtype
     np.testing.assert_allclose(ours, z.grad.numpy(), **tol)
     assert nn.cross_entropy(logits, targets, ignore_index=ignore_index) == pytest.approx(
-        loss.item(), rel=tol["rtol"])
+        loss.item(), rel=tol["rtol"]
+    )
 
 
 @pytest.mark.torch
@@ -244,7 +272,9 @@ def test_embedding_backward_matches_torch(torch, rng, dtype):
     indices = np.array([[3, 1, 3], [0, 3, 10]])
     d_out = rng.standard_normal((2, 3, E)).astype(dtype)
     table = torch.zeros((V, E), dtype=getattr(torch, np.dtype(dtype).name), requires_grad=True)
-    (torch.nn.functional.embedding(torch.tensor(indices), table) * torch.tensor(d_out)).sum().backward()
+    (
+        torch.nn.functional.embedding(torch.tensor(indices), table) * torch.tensor(d_out)
+    ).sum().backward()
     ours = nn.embedding_backward(d_out, indices, V)
     assert ours.dtype == dtype
     np.testing.assert_allclose(ours, table.grad.numpy(), **(F64 if dtype == np.float64 else F32))
@@ -269,9 +299,10 @@ def test_leading_dimensions_are_rows(data):
 
 def test_inputs_are_never_modified(data):
     """Every function runs on read-only inputs (a write would raise) and leaves them equal."""
-    x, W, b, g, s, d_lin, d_x, z = readonly(*(data[k] for k in (
-        "x", "weight", "bias", "gain", "shift", "d_linear", "d_x", "logits")))
-    targets, = readonly(data["targets"])
+    x, W, b, g, s, d_lin, d_x, z = readonly(
+        *(data[k] for k in ("x", "weight", "bias", "gain", "shift", "d_linear", "d_x", "logits"))
+    )
+    (targets,) = readonly(data["targets"])
     before = [a.copy() for a in (x, W, b, g, s, d_lin, d_x, z)]
     nn.linear(x, W, b), nn.linear_backward(d_lin, x, W, b)
     nn.layer_norm(x, g, s), nn.layer_norm_backward(d_x, x, g, s)
@@ -294,8 +325,11 @@ def test_float16_is_computed_in_float32_and_returned_as_float16(data):
     x = data["x"].astype(np.float16)
     y = nn.layer_norm(x, data["gain"].astype(np.float16), data["shift"].astype(np.float16))
     assert y.dtype == np.float16
-    ref = nn.layer_norm(x.astype(np.float32), data["gain"].astype(np.float16).astype(np.float32),
-                        data["shift"].astype(np.float16).astype(np.float32))
+    ref = nn.layer_norm(
+        x.astype(np.float32),
+        data["gain"].astype(np.float16).astype(np.float32),
+        data["shift"].astype(np.float16).astype(np.float32),
+    )
     np.testing.assert_array_equal(y, ref.astype(np.float16))
 
 
@@ -315,13 +349,18 @@ def test_complex_input_raises():
 
 
 def test_weight_must_be_2d():
-    with pytest.raises(ValueError, match=r"weight must be 2-D \(in, out\); got weight.shape=\(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"weight must be 2-D \(in, out\); got weight.shape=\(3,\)"
+    ):
         nn.linear(np.ones((2, 3)), np.ones(3))
 
 
 def test_linear_widths_must_match():
-    with pytest.raises(ValueError, match=r"last axis of x must equal the rows of weight.*"
-                                         r"x.shape=\(2, 3\), weight.shape=\(4, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"last axis of x must equal the rows of weight.*"
+        r"x.shape=\(2, 3\), weight.shape=\(4, 2\)",
+    ):
         nn.linear(np.ones((2, 3)), np.ones((4, 2)))
 
 
@@ -341,8 +380,11 @@ def test_norm_weight_shape():
 
 
 def test_grad_shape_must_match():
-    with pytest.raises(ValueError, match=r"d_y must have the shape of the forward result.*"
-                                         r"\(2, 3\); got d_y.shape=\(3, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"d_y must have the shape of the forward result.*"
+        r"\(2, 3\); got d_y.shape=\(3, 2\)",
+    ):
         nn.gelu_backward(np.ones((3, 2)), np.ones((2, 3)))
 
 
@@ -368,7 +410,9 @@ def test_targets_must_be_integers():
 
 
 def test_targets_shape():
-    with pytest.raises(ValueError, match=r"targets must have shape \(2,\); got targets.shape=\(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"targets must have shape \(2,\); got targets.shape=\(3,\)"
+    ):
         nn.cross_entropy(np.zeros((2, 3)), np.array([0, 1, 2]))
 
 
@@ -412,8 +456,10 @@ def test_embedding_d_out_needs_an_axis():
 def test_adamw_matches_torch_over_20_steps(torch, rng, dtype):
     shapes = {"w": (E, OUT), "b": (OUT,), "table": (V, 3)}
     params = {name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
-    grads = [{name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
-             for _ in range(20)]
+    grads = [
+        {name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
+        for _ in range(20)
+    ]
     tensors = {name: torch.tensor(p.copy(), requires_grad=True) for name, p in params.items()}
     hyper = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     ours = nn.AdamW(params, **hyper)
@@ -428,8 +474,9 @@ def test_adamw_matches_torch_over_20_steps(torch, rng, dtype):
         ours.step(g)
         for name, t in tensors.items():
             assert params[name].dtype == dtype
-            np.testing.assert_allclose(params[name], t.detach().numpy(), **tol,
-                                       err_msg=f"{name} after step {step + 1}")
+            np.testing.assert_allclose(
+                params[name], t.detach().numpy(), **tol, err_msg=f"{name} after step {step + 1}"
+            )
     assert ours.step_count == 20
 
 
@@ -454,7 +501,9 @@ def test_adamw_params_must_be_a_dict():
         nn.AdamW([np.zeros(3)])
 
 
-@pytest.mark.parametrize("params", [{"w": [0.0, 1.0]}, {"w": np.zeros(3, dtype=int)}, {0: np.zeros(3)}])
+@pytest.mark.parametrize(
+    "params", [{"w": [0.0, 1.0]}, {"w": np.zeros(3, dtype=int)}, {0: np.zeros(3)}]
+)
 def test_adamw_params_must_be_floating_arrays(params):
     with pytest.raises(TypeError, match="params must map str names to floating NumPy arrays"):
         nn.AdamW(params)
@@ -472,8 +521,9 @@ def test_adamw_option_must_be_real(option):
         nn.AdamW({}, **{option: "0.1"})
 
 
-@pytest.mark.parametrize("option, value", [("lr", -1e-3), ("eps", math.nan),
-                                           ("weight_decay", math.inf)])
+@pytest.mark.parametrize(
+    "option, value", [("lr", -1e-3), ("eps", math.nan), ("weight_decay", math.inf)]
+)
 def test_adamw_option_range(option, value):
     with pytest.raises(ValueError, match=rf"{option} must be a finite number in \[0.0, inf\]"):
         nn.AdamW({}, **{option: value})
@@ -485,7 +535,9 @@ def test_adamw_betas_must_be_a_pair():
 
 
 def test_adamw_betas_range():
-    with pytest.raises(ValueError, match=r"betas\[1\] must be a finite number in \[0.0, 1.0\); got 1.0"):
+    with pytest.raises(
+        ValueError, match=r"betas\[1\] must be a finite number in \[0.0, 1.0\); got 1.0"
+    ):
         nn.AdamW({}, betas=(0.9, 1.0))
 
 
@@ -500,6 +552,9 @@ def test_adamw_grads_keys():
 
 
 def test_adamw_grads_shape():
-    with pytest.raises(ValueError, match=r"grads\['w'\] must have the shape of params\['w'\], "
-                                         r"\(2,\); got \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"grads\['w'\] must have the shape of params\['w'\], "
+        r"\(2,\); got \(3,\)",
+    ):
         nn.AdamW({"w": np.zeros(2)}).step({"w": np.zeros(3)})

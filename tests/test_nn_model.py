@@ -23,14 +23,22 @@ CONFIGS = {
     "gqa-rope": dict(positional="rope", n_heads=4, n_kv_heads=2),
     "mqa-learned-rms": dict(positional="learned", norm="rms", n_heads=2, n_kv_heads=1),
     "attention-only-rope": dict(positional="rope", attention_only=True),
-    "attention-only-gqa-sinusoidal": dict(positional="sinusoidal", attention_only=True,
-                                          n_heads=4, n_kv_heads=2),
+    "attention-only-gqa-sinusoidal": dict(
+        positional="sinusoidal", attention_only=True, n_heads=4, n_kv_heads=2
+    ),
 }
 
 
 def make_model(seed=0, **overrides):
-    config = dict(vocab_size=V, d_model=E, n_layers=2, n_heads=2, d_ff=12, max_len=MAX_LEN,
-                  rng=np.random.default_rng(seed))
+    config = dict(
+        vocab_size=V,
+        d_model=E,
+        n_layers=2,
+        n_heads=2,
+        d_ff=12,
+        max_len=MAX_LEN,
+        rng=np.random.default_rng(seed),
+    )
     config.update(overrides)
     model = nn.DecoderLM(**config)
     # Random norm gains and biases, so that their gradients are not tested at a special point.
@@ -96,8 +104,10 @@ def test_every_parameter_gets_a_gradient(batch):
     model = make_model(**CONFIGS["learned-layer"])
     tokens, targets = batch
     _, grads = model.loss_and_grads(tokens, targets)
-    unused_rows = {"token_embedding": np.setdiff1d(np.arange(V), tokens),
-                   "position_embedding": np.arange(tokens.shape[1], MAX_LEN)}
+    unused_rows = {
+        "token_embedding": np.setdiff1d(np.arange(V), tokens),
+        "position_embedding": np.arange(tokens.shape[1], MAX_LEN),
+    }
     for name, g in grads.items():
         used = np.delete(g, unused_rows.get(name, []), axis=0)
         assert np.all(used != 0), name
@@ -191,12 +201,14 @@ def test_one_block_by_hand_and_head_ablation(rng):
 
     x0 = P["token_embedding"][tokens] + P["position_embedding"][:5]
     v = rms(x0, P["blocks.0.attn_norm.weight"]) @ P["blocks.0.attn.w_v"]  # (T, H Dk)
-    terms = [A[h] @ v[:, h * Dk:(h + 1) * Dk] @ P["blocks.0.attn.w_o"][h * Dk:(h + 1) * Dk]
-             for h in range(2)]
+    terms = [
+        A[h] @ v[:, h * Dk : (h + 1) * Dk] @ P["blocks.0.attn.w_o"][h * Dk : (h + 1) * Dk]
+        for h in range(2)
+    ]
     for ablate in (None, 0, 1):
         m = copy.deepcopy(model)
         if ablate is not None:
-            m.params["blocks.0.attn.w_o"][ablate * Dk:(ablate + 1) * Dk] = 0.0
+            m.params["blocks.0.attn.w_o"][ablate * Dk : (ablate + 1) * Dk] = 0.0
         x = x0 + sum(t for h, t in enumerate(terms) if h != ablate)
         expected = rms(x, P["final_norm.weight"]) @ P["unembedding"]
         np.testing.assert_allclose(m.forward(tokens), expected, rtol=1e-12, atol=1e-12)
@@ -212,7 +224,8 @@ def test_inputs_are_not_modified(batch):
 
 def test_repr_names_the_configuration():
     assert repr(make_model(**CONFIGS["gqa-rope"])).startswith(
-        "DecoderLM(vocab_size=7, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=12")
+        "DecoderLM(vocab_size=7, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=12"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,13 +234,18 @@ def test_repr_names_the_configuration():
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, top_k=3),
-                                      dict(temperature=0.7)], ids=["greedy", "top3", "t0.7"])
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0), dict(temperature=1.0, top_k=3), dict(temperature=0.7)],
+    ids=["greedy", "top3", "t0.7"],
+)
 def test_generation_with_and_without_cache_agree(config, sampling, rng):
     model = make_model(**config)
     prompt = rng.integers(0, V, size=(2, 2))
-    runs = [model.generate(prompt, 4, rng=np.random.default_rng(5), use_cache=use_cache,
-                           **sampling) for use_cache in (True, False)]
+    runs = [
+        model.generate(prompt, 4, rng=np.random.default_rng(5), use_cache=use_cache, **sampling)
+        for use_cache in (True, False)
+    ]
     assert runs[0].shape == (2, 6)
     np.testing.assert_array_equal(runs[0], runs[1])
     np.testing.assert_array_equal(runs[0][:, :2], prompt)
@@ -245,7 +263,8 @@ def test_top_1_sampling_is_greedy(rng):
     prompt = np.array([1, 2])
     greedy = model.generate(prompt, 4, temperature=0)
     np.testing.assert_array_equal(
-        model.generate(prompt, 4, temperature=2.0, top_k=1, rng=rng), greedy)
+        model.generate(prompt, 4, temperature=2.0, top_k=1, rng=rng), greedy
+    )
 
 
 def test_sampling_follows_the_model_distribution():
@@ -286,19 +305,23 @@ def test_n_heads_must_divide_d_model():
 
 
 def test_n_kv_heads_must_divide_n_heads():
-    with pytest.raises(ValueError, match="n_kv_heads must divide n_heads; got n_heads=4, "
-                                         "n_kv_heads=3"):
+    with pytest.raises(
+        ValueError, match="n_kv_heads must divide n_heads; got n_heads=4, n_kv_heads=3"
+    ):
         make_model(n_heads=4, n_kv_heads=3)
 
 
 def test_positional_choices():
-    with pytest.raises(ValueError, match="positional must be 'rope', 'sinusoidal', 'learned' or "
-                                         "None; got 'alibi'"):
+    with pytest.raises(
+        ValueError, match="positional must be 'rope', 'sinusoidal', 'learned' or None; got 'alibi'"
+    ):
         make_model(positional="alibi")
 
 
 def test_rope_needs_an_even_head_width():
-    with pytest.raises(ValueError, match=r"positional='rope' needs an even head width.* 8 // 8 = 1"):
+    with pytest.raises(
+        ValueError, match=r"positional='rope' needs an even head width.* 8 // 8 = 1"
+    ):
         make_model(n_heads=8)
 
 
@@ -313,7 +336,9 @@ def test_attention_only_must_be_bool():
 
 
 def test_dtype_must_be_a_dtype():
-    with pytest.raises(ValueError, match="dtype must be np.float32 or np.float64; got 'double-ish'"):
+    with pytest.raises(
+        ValueError, match="dtype must be np.float32 or np.float64; got 'double-ish'"
+    ):
         make_model(dtype="double-ish")
 
 
@@ -333,7 +358,9 @@ def test_return_attention_must_be_bool():
 
 
 def test_tokens_must_be_integers():
-    with pytest.raises(TypeError, match="tokens must be an integer array of token ids; got dtype float64"):
+    with pytest.raises(
+        TypeError, match="tokens must be an integer array of token ids; got dtype float64"
+    ):
         make_model().forward(np.array([1.0, 2.0]))
 
 
@@ -350,17 +377,23 @@ def test_tokens_must_fit_max_len():
 
 @pytest.mark.parametrize("bad", [-1, V])
 def test_token_ids_must_be_in_the_vocabulary(bad):
-    with pytest.raises(ValueError, match=rf"tokens must hold token ids in \[0, vocab_size=7\); got {bad}"):
+    with pytest.raises(
+        ValueError, match=rf"tokens must hold token ids in \[0, vocab_size=7\); got {bad}"
+    ):
         make_model().forward(np.array([0, bad]))
 
 
 def test_targets_must_be_integers():
-    with pytest.raises(TypeError, match="targets must be an integer array of token ids; got dtype float64"):
+    with pytest.raises(
+        TypeError, match="targets must be an integer array of token ids; got dtype float64"
+    ):
         make_model().loss_and_grads(np.array([1, 2]), np.array([1.0, 2.0]))
 
 
 def test_targets_must_have_the_shape_of_tokens():
-    with pytest.raises(ValueError, match=r"targets must have the shape of tokens, \(1, 2\); got \(1, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"targets must have the shape of tokens, \(1, 2\); got \(1, 3\)"
+    ):
         make_model().loss_and_grads(np.array([1, 2]), np.array([1, 2, 3]))
 
 
@@ -375,7 +408,9 @@ def test_max_new_tokens_must_be_an_integer():
 
 
 def test_generation_must_fit_max_len():
-    with pytest.raises(ValueError, match="the prompt's T0=2 tokens plus max_new_tokens=5 exceed max_len=6"):
+    with pytest.raises(
+        ValueError, match="the prompt's T0=2 tokens plus max_new_tokens=5 exceed max_len=6"
+    ):
         make_model().generate(np.array([1, 2]), 5)
 
 
@@ -397,7 +432,9 @@ def test_top_k_must_be_an_integer():
 
 @pytest.mark.parametrize("top_k", [0, V + 1])
 def test_top_k_range(top_k):
-    with pytest.raises(ValueError, match=rf"top_k must be in \[1, vocab_size=7\] or None; got {top_k}"):
+    with pytest.raises(
+        ValueError, match=rf"top_k must be in \[1, vocab_size=7\] or None; got {top_k}"
+    ):
         make_model().generate(np.array([1]), 2, top_k=top_k, rng=np.random.default_rng(0))
 
 

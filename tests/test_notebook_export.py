@@ -174,7 +174,9 @@ def notebook(tmp_path_factory) -> dict:
     (project / "node_modules").symlink_to(ROOT / "node_modules", target_is_directory=True)
     book = project / "book"
     for folder in ("_static", "references", "_ext"):
-        shutil.copytree(ROOT / "book" / folder, book / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            ROOT / "book" / folder, book / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
     (book / "index.md").write_text(INDEX)
     (book / "page.md").write_text(PAGE)
     (book / "bib.md").write_text(BIBLIOGRAPHY)
@@ -186,7 +188,9 @@ def notebook(tmp_path_factory) -> dict:
         "-n", "-W", "--keep-going", "-q", "-D", "numfig=1",
     ]  # fmt: skip
     env = {**os.environ, "SDPA_NB_EXECUTION_MODE": "cache", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
-    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        command, cwd=project, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     path = project / "_build" / "html" / "_sources" / "page.ipynb"
     return json.loads(path.read_text(encoding="utf-8"))
@@ -209,7 +213,10 @@ def test_no_myst_is_left(notebook):
 def test_glued_values_references_and_citations_read_as_text(notebook):
     text = _markdown(notebook)
     # cite:t then cite:p, in the book's author-year style; brackets escaped for Markdown.
-    assert "Attention is older than Vaswani *et al.* \\[2017\\], who named it \\[Vaswani *et al.*, 2017\\]." in text
+    assert (
+        "Attention is older than Vaswani *et al.* \\[2017\\], who named it \\[Vaswani *et al.*, 2017\\]."
+        in text
+    )
     # {glue:text}`ratio:.3f` of 1/3, and {glue}`count` of 7
     assert "The ratio is 0.333 and the count is 7;" in text
     # {ref} gives the section title, {numref} the figure's number, {doc} the page's title,
@@ -234,7 +241,9 @@ def test_maths_figures_tables_and_admonitions(notebook):
     assert "> **Note**\n>\n> A note with a list:\n>\n> - one\n> - two" in text
     assert "`twice(x)`\n\n> Twice `x`." in text  # a py:function entry
     assert "> **Exercise 1: halve it**\n>\n> Halve the ratio." in text
-    assert "<details>\n<summary>Solution</summary>\n\nHalf of it is 0.33 halved.\n\n</details>" in text
+    assert (
+        "<details>\n<summary>Solution</summary>\n\nHalf of it is 0.33 halved.\n\n</details>" in text
+    )
 
 
 def test_hidden_cells_stay_marked_and_folded(notebook):
@@ -247,12 +256,21 @@ def test_hidden_cells_stay_marked_and_folded(notebook):
         " checks what the text claims.",
         "# Hidden on the website: this cell draws the figure.",
         "# The website shows only this cell's output: this cell writes the table.",
-        "# Folded on the website behind \"Show the solution's code\".",
+        '# Folded on the website behind "Show the solution\'s code".',
         "# The website folds this cell's code.",
         "# The website shows this cell's code without its output: this cell draws the figure.",
     ]
     hidden = [c["metadata"].get("jupyter", {}) for c in code]
-    assert [h.get("source_hidden", False) for h in hidden] == [True, False, True, True, True, True, True, False]
+    assert [h.get("source_hidden", False) for h in hidden] == [
+        True,
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]
     assert hidden[5].get("outputs_hidden") is True  # hide-cell folds the output too
     # ... but not the figure a cell glues: the site shows it where the text does.
     assert hidden[7].get("outputs_hidden") is False
@@ -267,7 +285,9 @@ def test_code_cells_keep_their_outputs_and_glued_figures(notebook):
     assert any(k.startswith("image/") for k in code[3]["outputs"][0]["data"])
     assert any(k.startswith("image/") for k in code[7]["outputs"][0]["data"])
     # Where prose comes between the cell and the figure, the figure is also in the text.
-    attached = [c for c in notebook["cells"] if c["cell_type"] == "markdown" and c.get("attachments")]
+    attached = [
+        c for c in notebook["cells"] if c["cell_type"] == "markdown" and c.get("attachments")
+    ]
     assert len(attached) == 1
     (name,) = attached[0]["attachments"]
     text = "".join(attached[0]["source"])

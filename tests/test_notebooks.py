@@ -53,7 +53,17 @@ TIMEOUT = 600  # seconds for one notebook on a busy machine (the build allows 18
 # the start of a role the book uses, outside maths and code (where braces are TeX or code).
 MYST_ROLE = re.compile(r"(?<!`)\{([A-Za-z][\w:.+-]*)\}`[^`\n]*`")
 MYST_FENCE = re.compile(r"^[ \t>]*(?:```+|:::+)[ \t]*\{[^}]*\}", re.M)
-MYST_WORDS = ("{glue", "{ref", "{cite", "{numref", "{doc}", "{eq}", "{func}", "{class}", "{code-cell")
+MYST_WORDS = (
+    "{glue",
+    "{ref",
+    "{cite",
+    "{numref",
+    "{doc}",
+    "{eq}",
+    "{func}",
+    "{class}",
+    "{code-cell",
+)
 MATHS = re.compile(r"\$\$.*?\$\$|(?<!\\)\$[^$\n]+?(?<!\\)\$", re.S)
 CODE = re.compile(r"`+[^`\n]*`+")
 FIGURE = re.compile(r"<img\b[^>]*\bsrc=\"[^\"]*_images/", re.I)  # figures and plots of the page
@@ -199,13 +209,17 @@ def reader(server, tmp_path_factory) -> dict:
         return page, result, time.perf_counter() - t
 
     t0 = time.perf_counter()
-    runnable = [page for page in NOTEBOOK_PAGES if (folder / page.replace(".html", ".ipynb")).exists()]
+    runnable = [
+        page for page in NOTEBOOK_PAGES if (folder / page.replace(".html", ".ipynb")).exists()
+    ]
     with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
         for page, result, seconds in pool.map(execute, runnable):
             info = found["pages"][page]
             info["result"], info["seconds"] = result, seconds
             if result.returncode == 0:
-                info["executed"] = json.loads((folder / page.replace(".html", ".ipynb")).read_text())
+                info["executed"] = json.loads(
+                    (folder / page.replace(".html", ".ipynb")).read_text()
+                )
     found["seconds"]["execute"] = time.perf_counter() - t0
     found["seconds"]["total"] = time.perf_counter() - started
     found["folder"] = folder
@@ -215,7 +229,9 @@ def reader(server, tmp_path_factory) -> dict:
                 "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(),
                 "seconds": {k: round(v, 1) for k, v in found["seconds"].items()},
-                "notebooks": {p: round(i["seconds"], 1) for p, i in found["pages"].items() if "seconds" in i},
+                "notebooks": {
+                    p: round(i["seconds"], 1) for p, i in found["pages"].items() if "seconds" in i
+                },
             },
             indent=1,
         )
@@ -237,8 +253,15 @@ def test_myst_left_finds_roles_and_directives_but_not_tex_or_code():
         "A {glue:text}`x:.3f` and {ref}`sec`, `{cite:p}` as code, $\\text{ref}$ and\n"
         "$$\n\\frac{a}{b}\n$$\n:::{glue:figure} fig\n:::\n> ```{note}\nand {numref"
     )
-    assert myst_left(text) == [":::{glue:figure}", "> ```{note}", "{glue", "{glue:text}", "{numref", "{ref}"]
-    assert myst_left("Plain $\\operatorname{softmax}(s)$ and `glue(\"x\", {})`.") == []
+    assert myst_left(text) == [
+        ":::{glue:figure}",
+        "> ```{note}",
+        "{glue",
+        "{glue:text}",
+        "{numref",
+        "{ref}",
+    ]
+    assert myst_left('Plain $\\operatorname{softmax}(s)$ and `glue("x", {})`.') == []
 
 
 def _sources(notebook: dict, kind: str) -> list[str]:

@@ -104,7 +104,9 @@ def test_heatmap_rejects_bad_options(ax):
 def test_mask_plot_errors(ax):
     with pytest.raises(TypeError, match="allowed must be a 2-D boolean array; got None"):
         mask_plot(ax, None)
-    with pytest.raises(TypeError, match=r"allowed must be a boolean array \(True = may attend\); got dtype float64"):
+    with pytest.raises(
+        TypeError, match=r"allowed must be a boolean array \(True = may attend\); got dtype float64"
+    ):
         mask_plot(ax, np.eye(2))
     with pytest.raises(ValueError, match=r"allowed must be 2-D \(T, S\); got allowed.shape=\(2,\)"):
         mask_plot(ax, np.ones(2, dtype=bool))

@@ -36,7 +36,9 @@ def test_glue_in_the_build_uses_myst_nb(monkeypatch):
     myst_nb = pytest.importorskip("myst_nb")
     calls = []
     monkeypatch.setenv(BUILD_ENV, "1")
-    monkeypatch.setattr(myst_nb, "glue", lambda name, value, display: calls.append((name, value, display)))
+    monkeypatch.setattr(
+        myst_nb, "glue", lambda name, value, display: calls.append((name, value, display))
+    )
     assert glue("n", 3) is None
     assert calls == [("n", 3, False)]
 
@@ -59,7 +61,9 @@ def test_markdown_table_aligns_numbers_right_and_escapes_bars():
 
 
 def test_markdown_table_rejects_a_short_row():
-    with pytest.raises(ValueError, match="every row must have 2 cells, one per header; row 0 has 1"):
+    with pytest.raises(
+        ValueError, match="every row must have 2 cells, one per header; row 0 has 1"
+    ):
         markdown_table([[1]], ["a", "b"])
 
 
@@ -90,4 +94,3 @@ def test_best_time_is_the_minimum_and_validates():
         best_time(3)
     with pytest.raises(ValueError, match="repeats must be at least 1; got 0"):
         best_time(lambda: None, repeats=0)
-

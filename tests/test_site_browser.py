@@ -185,8 +185,11 @@ def _judge_layout(report: dict, mode: str) -> list[str]:
     if mode == "desktop":
         if report["wide"]:
             problems.append(f"wider than the content column: {report['wide'][:5]}")
-        shrunk = [(f["src"].rsplit("/", 1)[-1], round(f["scale"], 2)) for f in report["figures"]
-                  if f["natural"] > 100 and f["scale"] < MIN_FIGURE_SCALE]
+        shrunk = [
+            (f["src"].rsplit("/", 1)[-1], round(f["scale"], 2))
+            for f in report["figures"]
+            if f["natural"] > 100 and f["scale"] < MIN_FIGURE_SCALE
+        ]
         if shrunk:
             problems.append(f"figures shrunk below {MIN_FIGURE_SCALE} of their size: {shrunk}")
     else:
@@ -211,7 +214,9 @@ def _judge(report: dict) -> list[str]:
     if report["untypeset"]:
         problems.append(f"formulas left untypeset: {report['untypeset'][:5]}")
     if report["containers"] < report["mathNodes"]:
-        problems.append(f"{report['mathNodes']} formulas but {report['containers']} MathJax containers")
+        problems.append(
+            f"{report['mathNodes']} formulas but {report['containers']} MathJax containers"
+        )
     if report["errors"]:
         problems.append(f"MathJax errors: {report['errors'][:5]}")
     raw = sorted(set(RAW_TEX.findall(report["text"])))
@@ -228,7 +233,9 @@ async def _visit(browser, mode: str, page_name: str, url: str) -> list[str]:
 
     problems: list[str] = []
     context = await browser.new_context(
-        color_scheme=MODES[mode]["scheme"], viewport=MODES[mode]["viewport"], service_workers="block"
+        color_scheme=MODES[mode]["scheme"],
+        viewport=MODES[mode]["viewport"],
+        service_workers="block",
     )
     page = await context.new_page()
 
@@ -269,7 +276,9 @@ async def _crawl(mode: str, base: str, pages: list[str]) -> dict[str, list[str]]
 
     limit = asyncio.Semaphore(CONCURRENCY)
     async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        browser = await pw.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
+        )
 
         async def one(name: str) -> list[str]:
             async with limit:
@@ -307,7 +316,9 @@ def site():
     if not PAGES:
         _skip_or_fail(f"the site is not built: no {SITE / 'index.html'}; run `make html` first")
     if not Path(CHROMIUM).exists():
-        _skip_or_fail(f"Chromium not found at {CHROMIUM}; install it with `apt-get install chromium`")
+        _skip_or_fail(
+            f"Chromium not found at {CHROMIUM}; install it with `apt-get install chromium`"
+        )
     try:
         import playwright  # noqa: F401
     except ImportError:
@@ -369,7 +380,9 @@ def test_search_works_over_http(site, server):
     menu = re.compile(r"\b(Light|Dark|System Settings|Contents)\b")
     for snippet in snippets:
         assert not menu.search(snippet), f"theme menu text in a search snippet: {snippet[:200]!r}"
-        assert "\\" not in snippet and "$" not in snippet, f"raw TeX in a search snippet: {snippet[:200]!r}"
+        assert "\\" not in snippet and "$" not in snippet, (
+            f"raw TeX in a search snippet: {snippet[:200]!r}"
+        )
 
 
 def test_layout_judge_catches_clipping_and_shrinking():
@@ -384,7 +397,10 @@ def test_layout_judge_catches_clipping_and_shrinking():
     assert "without alt text" in _judge_layout(no_alt, "phone")[0]
     # On a phone a wide table may scroll, with a cue; a page may not scroll sideways.
     assert _judge_layout({**ok, "wide": [table]}, "phone") == []
-    assert "without a visible cue" in _judge_layout({**ok, "wide": [{**table, "cue": False}]}, "phone")[0]
+    assert (
+        "without a visible cue"
+        in _judge_layout({**ok, "wide": [{**table, "cue": False}]}, "phone")[0]
+    )
     assert "scrolls sideways" in _judge_layout({**ok, "pageScroll": 40}, "phone")[0]
     cut = {"what": "img#f", "width": 500, "column": 350, "scrolls": False, "cue": False}
     assert "cut off" in _judge_layout({**ok, "wide": [cut]}, "phone")[0]

@@ -57,7 +57,12 @@ RUN_PAGE = "run-it-yourself"  # the page that says how to run the notebooks
 # What a reader's environment needs besides the wheel's own dependencies.
 READER_PACKAGES = ["numpy", "matplotlib", "ipykernel", "nbclient"]
 RICH_MIME = ("image/", "text/html", "text/markdown", "text/latex")
-IMAGE_SUFFIX = {"image/svg+xml": ".svg", "image/png": ".png", "image/jpeg": ".jpeg", "image/gif": ".gif"}
+IMAGE_SUFFIX = {
+    "image/svg+xml": ".svg",
+    "image/png": ".png",
+    "image/jpeg": ".jpeg",
+    "image/gif": ".gif",
+}
 SUFFIX_IMAGE = {".svg": "image/svg+xml", ".png": "image/png", ".jpg": "image/jpeg",
                 ".jpeg": "image/jpeg", ".gif": "image/gif"}  # fmt: skip
 ZIP_DATE = (2026, 1, 1, 0, 0, 0)  # fixed, so that an unchanged book gives the same archive
@@ -179,7 +184,11 @@ class MarkdownWriter:
         url = self.link(refuri) if refuri else None
         if url and inner.strip():
             return f"[{inner}]({url})"
-        if citation or not re.search(r"[^\W\d_]", inner) or inner.lstrip().startswith(("`", "*", "$")):
+        if (
+            citation
+            or not re.search(r"[^\W\d_]", inner)
+            or inner.lstrip().startswith(("`", "*", "$"))
+        ):
             return inner
         return _wrap(inner, "*")  # a cross-reference: the title of what it points to
 
@@ -380,7 +389,9 @@ class MarkdownWriter:
 
     def _admonition(self, node) -> list[str]:
         title = next((c for c in node.children if isinstance(c, nodes.title)), None)
-        heading = self.text(title) if title is not None else node.tagname.replace("_", " ").capitalize()
+        heading = (
+            self.text(title) if title is not None else node.tagname.replace("_", " ").capitalize()
+        )
         body = [c for c in node.children if c is not title]
         return _prefix([f"**{heading}**", "", *self.blocks(body)], "> ", "> ")
 
@@ -474,7 +485,9 @@ def describe(cell: Cell, glue: dict) -> str | None:
     if texts:
         parts.append("writes the text shown as its output")
     if values:
-        parts.append("passes a value to the text" if values == 1 else f"passes {values} values to the text")
+        parts.append(
+            "passes a value to the text" if values == 1 else f"passes {values} values to the text"
+        )
     if re.search(r"^\s*assert\b|np\.testing\.|\bassert_", source, re.M):
         parts.append("checks what the text claims")
     code = [ln for ln in source.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
@@ -619,7 +632,9 @@ def reader_notebook(page: Page) -> nbformat.NotebookNode:  # noqa: C901
 
     notebook = nbformat.v4.new_notebook()
     notebook.metadata = {
-        k: v for k, v in page.executed.get("metadata", {}).items() if k in ("kernelspec", "language_info")
+        k: v
+        for k, v in page.executed.get("metadata", {}).items()
+        if k in ("kernelspec", "language_info")
     }
     notebook.metadata["sdpa_book"] = {"page": page.docname, "export": EXPORT}
     out = [nbformat.from_dict({"cell_type": "markdown", "source": page.header, "metadata": {}})]
@@ -653,7 +668,9 @@ def reader_notebook(page: Page) -> nbformat.NotebookNode:  # noqa: C901
     if writer.citations:
         works = [f"- {escape(work)}" for work in writer.citations.values()]
         references = "\n".join(["## References", "", *works])
-        out.append(nbformat.from_dict({"cell_type": "markdown", "source": references, "metadata": {}}))
+        out.append(
+            nbformat.from_dict({"cell_type": "markdown", "source": references, "metadata": {}})
+        )
     for n, cell in enumerate(out):  # stable ids: an unchanged page gives the same notebook
         cell["id"] = hashlib.sha1(f"{page.docname}\0{n}".encode()).hexdigest()[:12]
     notebook.cells = out
@@ -737,7 +754,9 @@ def _header(app, title: str) -> str:
 def write_reader_notebook(app, docname: str, doctree: nodes.document | None = None) -> Path:
     """Write the page's reader's notebook into ``_sources/`` (its resolved doctree if given)."""
     baseurl = app.config.sdpa_notebooks_baseurl or app.config.html_baseurl
-    page_url = urljoin(baseurl.rstrip("/") + "/", app.builder.get_target_uri(docname)) if baseurl else ""
+    page_url = (
+        urljoin(baseurl.rstrip("/") + "/", app.builder.get_target_uri(docname)) if baseurl else ""
+    )
     numbers = app.env.toc_fignumbers.get(docname, {}).get("figure", {})
 
     def link(refuri: str) -> str | None:
@@ -756,7 +775,9 @@ def write_reader_notebook(app, docname: str, doctree: nodes.document | None = No
     title = app.env.titles[docname].astext() if docname in app.env.titles else docname
     page = Page(
         docname=docname,
-        doctree=doctree if doctree is not None else app.env.get_and_resolve_doctree(docname, app.builder),
+        doctree=doctree
+        if doctree is not None
+        else app.env.get_and_resolve_doctree(docname, app.builder),
         executed=executed_notebook(app, docname),
         glue=_stored_glue(app, docname),
         header=_header(app, title),
@@ -777,10 +798,16 @@ def reader_notebook_path(app, docname: str) -> Path:
 def _is_current(app, docname: str) -> bool:
     """True when the page's reader's notebook was written by this file since its execution."""
     path = reader_notebook_path(app, docname)
-    if not path.exists() or path.stat().st_mtime < executed_notebook_path(app, docname).stat().st_mtime:
+    if (
+        not path.exists()
+        or path.stat().st_mtime < executed_notebook_path(app, docname).stat().st_mtime
+    ):
         return False
     try:
-        return json.loads(path.read_text(encoding="utf-8"))["metadata"]["sdpa_book"]["export"] == EXPORT
+        return (
+            json.loads(path.read_text(encoding="utf-8"))["metadata"]["sdpa_book"]["export"]
+            == EXPORT
+        )
     except (ValueError, KeyError, TypeError):
         return False
 
@@ -874,7 +901,9 @@ def requirements_text(wheel: str) -> str:
     from packaging.requirements import Requirement
 
     own = [line for line in metadata.requires("sdpa") or [] if Requirement(line).marker is None]
-    pins = [pin for pin in pinned_requirements(READER_PACKAGES + own) if not pin.startswith("sdpa==")]
+    pins = [
+        pin for pin in pinned_requirements(READER_PACKAGES + own) if not pin.startswith("sdpa==")
+    ]
     return "\n".join([
         f"# What the sdpa book's notebooks need, as the book was built ({built_with()}).",
         f"#   python -m pip install -r requirements.txt {wheel}",
@@ -931,7 +960,9 @@ def write_downloads(app, exception) -> None:
     missing = [path.name for path in (wheel, sdist) if not path.exists()]
     stale = [] if missing else stale_files(wheel, Path(app.confdir) / "src")
     if missing or stale:
-        problem = f"no {' and no '.join(missing)}" if missing else f"an older {', '.join(stale[:3])}"
+        problem = (
+            f"no {' and no '.join(missing)}" if missing else f"an older {', '.join(stale[:3])}"
+        )
         logger.warning(
             "the site's downloads need the sdpa wheel and sdist of src/, but %s has %s: run "
             "`make html`, which builds them", dist, problem, type="sdpa", subtype="dist",

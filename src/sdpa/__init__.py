@@ -59,4 +59,4 @@ __all__ = [
 
 # The small language model of Part VII, importable as sdpa.nn after `import sdpa`; its names
 # stay out of sdpa.__all__, which is the attention API.
-from . import nn  # noqa: E402  (last: sdpa.nn builds on the names above)
+from . import nn  # noqa: E402, F401  (last: sdpa.nn builds on the names above)

@@ -21,13 +21,8 @@ from numpy.typing import ArrayLike
 
 from ._checks import check_bool, check_memory, check_probability, check_rng
 from .cost_model import worth_tiling
-from .problem import (
-    AttentionProblem,
-    mark_poisoned,
-    masked_scores,
-    overflow_checked,
-    prepare_attention,
-)
+from .problem import AttentionProblem, mark_poisoned, masked_scores, overflow_checked
+from .problem import prepare_attention as _prepare_attention  # public in sdpa.problem only
 from .softmax import softmax_and_lse
 from .tiled import attention_tiled
 
@@ -306,7 +301,7 @@ def scaled_dot_product_attention(
         raise TypeError(
             f"dropout_p={dropout_p} > 0 needs an explicit rng=np.random.default_rng(seed)"
         )
-    problem = prepare_attention(
+    problem = _prepare_attention(
         query,
         key,
         value,

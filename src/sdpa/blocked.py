@@ -62,8 +62,7 @@ def _prepare(q, k, v, scale):
         )
     if k.shape[0] != v.shape[0]:
         raise ValueError(
-            f"k and v must have the same number of rows S; got k.shape={k.shape}, "
-            f"v.shape={v.shape}"
+            f"k and v must have the same number of rows S; got k.shape={k.shape}, v.shape={v.shape}"
         )
     if k.shape[0] == 0:
         raise ValueError(
@@ -79,7 +78,9 @@ def _prepare(q, k, v, scale):
 def _check_like(x: ArrayLike, name: str, shape: tuple[int, ...], what: str) -> np.ndarray:
     arr = as_float_array(x, name)
     if arr.shape != shape:
-        raise ValueError(f"{name} must have the shape {what}, {shape}; got {name}.shape={arr.shape}")
+        raise ValueError(
+            f"{name} must have the shape {what}, {shape}; got {name}.shape={arr.shape}"
+        )
     return arr
 
 
@@ -147,8 +148,8 @@ def blocked_attention(
 
     See Also
     --------
-    blocked_attention_backward : the gradients, by the same blocks.
-    sdpa.scaled_dot_product_attention : the full-featured function (masks, heads, the fast
+    blocked_attention_backward : The gradients, by the same blocks.
+    sdpa.scaled_dot_product_attention : The full-featured function (masks, heads, the fast
         tiled kernel).
 
     Notes
@@ -252,9 +253,11 @@ def blocked_attention_backward(
     Returns
     -------
     d_q : (T, Dk) np.ndarray
+        Gradient with respect to ``q``.
     d_k : (S, Dk) np.ndarray
+        Gradient with respect to ``k``.
     d_v : (S, Dv) np.ndarray
-        Each with its input's floating dtype (float64 for integer or bool inputs).
+        Gradient with respect to ``v``. Each with its input's floating dtype (float64 for integer or bool inputs).
 
     Raises
     ------
@@ -266,7 +269,7 @@ def blocked_attention_backward(
 
     See Also
     --------
-    sdpa.scaled_dot_product_attention_backward : the full-featured backward pass.
+    sdpa.scaled_dot_product_attention_backward : The full-featured backward pass.
 
     Notes
     -----

@@ -162,7 +162,7 @@ def the_cat_sat_on_mat() -> WorkedExample:
 
 
 def the_dog_near_the_cats() -> WorkedExample:
-    """"the dog near the cats barks at them": projections built by hand to resolve agreement.
+    """ "the dog near the cats barks at them": projections built by hand to resolve agreement.
 
     Each word has eight 0/1 features, the columns of ``X``: noun, pronoun, verb, function word,
     singular, plural, dog, cat. Keys offer three slots (noun, singular, plural); queries ask for
@@ -190,14 +190,16 @@ def the_dog_near_the_cats() -> WorkedExample:
     """
     #       noun pron verb func sing plur dog cat
     X = _frozen(
-        [[0, 0, 0, 1, 0, 0, 0, 0],  # the
-         [1, 0, 0, 0, 1, 0, 1, 0],  # dog
-         [0, 0, 0, 1, 0, 0, 0, 0],  # near
-         [0, 0, 0, 1, 0, 0, 0, 0],  # the
-         [1, 0, 0, 0, 0, 1, 0, 1],  # cats
-         [0, 0, 1, 0, 1, 0, 0, 0],  # barks
-         [0, 0, 0, 1, 0, 0, 0, 0],  # at
-         [0, 1, 0, 0, 0, 1, 0, 0]]  # them
+        [
+            [0, 0, 0, 1, 0, 0, 0, 0],  # the
+            [1, 0, 0, 0, 1, 0, 1, 0],  # dog
+            [0, 0, 0, 1, 0, 0, 0, 0],  # near
+            [0, 0, 0, 1, 0, 0, 0, 0],  # the
+            [1, 0, 0, 0, 0, 1, 0, 1],  # cats
+            [0, 0, 1, 0, 1, 0, 0, 0],  # barks
+            [0, 0, 0, 1, 0, 0, 0, 0],  # at
+            [0, 1, 0, 0, 0, 1, 0, 0],
+        ]  # them
     ).astype(float)
     W_q = np.zeros((8, 3))  # slots: noun, singular, plural
     W_q[[1, 2], 0] = 6.0  # pronouns and verbs look for a noun ...

@@ -65,7 +65,19 @@ __all__ = [
 
 
 class FastMemoryOverflow(MemoryError):
-    """An algorithm asked fast memory to hold more words than its capacity ``M``."""
+    """An algorithm asked fast memory to hold more words than its capacity ``M``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.iomodel import FastMemoryOverflow, TwoLevelMemory
+    >>> memory = TwoLevelMemory(capacity=4)
+    >>> try:
+    ...     memory.load("x", np.zeros(5))
+    ... except FastMemoryOverflow:
+    ...     print("5 words do not fit in 4")
+    5 words do not fit in 4
+    """
 
 
 class TwoLevelMemory:
@@ -207,7 +219,17 @@ class TwoLevelMemory:
 
 @dataclass(frozen=True)
 class IOCount:
-    """What an algorithm moved on a :class:`TwoLevelMemory`, and what it computed."""
+    """What an algorithm moved on a :class:`TwoLevelMemory`, and what it computed.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.iomodel import flash_attention_io
+    >>> x = np.ones((8, 2))
+    >>> count = flash_attention_io(x, x, x, capacity=64)
+    >>> count.words == count.loads + count.stores
+    True
+    """
 
     algorithm: str
     out: np.ndarray  # (T, Dv), the attention output the algorithm computed
@@ -242,6 +264,20 @@ def textbook_block_size(d: int, capacity: int) -> int:
     Computing a ``(b, b)`` tile of ``Q K^T`` needs ``b`` rows of ``Q`` and of ``K`` (``d``
     words each) and the tile itself; the output phase needs the same amount.
 
+    Parameters
+    ----------
+    d : int
+        Head width, positive.
+    capacity : int
+        Words of fast memory ``M``.
+
+    Returns
+    -------
+    int
+        The tile size ``b``.
+
+    Examples
+    --------
     >>> from sdpa.iomodel import textbook_block_size
     >>> textbook_block_size(d=2, capacity=32)  # 2*4*2 + 4*4 = 32
     4
@@ -432,7 +468,11 @@ def textbook_attention_io(
     q, k, v, scale = _prepare(q, k, v, scale)
     capacity = _check_capacity(capacity)
     (T, Dk), (S, Dv) = q.shape, v.shape
-    b = textbook_block_size(max(Dk, Dv), capacity) if block is None else _check_block(block, "block")
+    b = (
+        textbook_block_size(max(Dk, Dv), capacity)
+        if block is None
+        else _check_block(block, "block")
+    )
     mem = TwoLevelMemory(capacity)
     scores = np.empty((T, S))  # slow memory
     weights = np.empty((T, S))
@@ -523,6 +563,7 @@ def flash_attention_io(
     Returns
     -------
     IOCount
+        The words loaded and stored, the peak of fast memory, and the output computed.
 
     Raises
     ------
@@ -599,8 +640,9 @@ def flash_attention_io(
             mem.store("o_i", out[t0:t1])
             mem.store("l_new", l[t0:t1])
             mem.store("m_new", m[t0:t1])
-            mem.free("q_i", "o_i", "l_i", "m_i", "scores_ij", "m_tilde", "l_tilde", "m_new",
-                     "l_new")
+            mem.free(
+                "q_i", "o_i", "l_i", "m_i", "scores_ij", "m_tilde", "l_tilde", "m_new", "l_new"
+            )
         mem.free("k_j", "v_j")
     return IOCount("FlashAttention", out, mem.loads, mem.stores, mem.peak, Br, Bc)
 
@@ -636,6 +678,7 @@ def flash_attention2_io(
     Returns
     -------
     IOCount
+        The words loaded and stored, the peak of fast memory, and the output computed.
 
     Raises
     ------

@@ -120,7 +120,9 @@ def _check_labels(labels, n: int, name: str) -> list[str] | None:
         return None
     labels = [str(x) for x in labels]
     if len(labels) != n:
-        raise ValueError(f"{name} must have one label per {'row' if name == 'row_labels' else 'column'} ({n}); got {len(labels)}")
+        raise ValueError(
+            f"{name} must have one label per {'row' if name == 'row_labels' else 'column'} ({n}); got {len(labels)}"
+        )
     return labels
 
 
@@ -215,7 +217,9 @@ def heatmap(
     if masked is not None:
         hidden = np.asarray(masked)
         if hidden.dtype != bool:
-            raise TypeError(f"masked must be a boolean array (True = masked); got dtype {hidden.dtype}")
+            raise TypeError(
+                f"masked must be a boolean array (True = masked); got dtype {hidden.dtype}"
+            )
         if hidden.shape != values.shape:
             raise ValueError(
                 f"masked must have the shape of data {values.shape}; got masked.shape={hidden.shape}"
@@ -224,7 +228,9 @@ def heatmap(
     cols = _check_labels(col_labels, values.shape[1], "col_labels")
     colormap = mpl.colormaps[cmap or CMAPS[kind]].with_extremes(bad=MASKED_COLOR)
     shown = np.ma.masked_array(values, mask=hidden)
-    im = ax.imshow(shown, vmin=vmin, vmax=vmax, cmap=colormap, aspect="auto", interpolation="nearest")
+    im = ax.imshow(
+        shown, vmin=vmin, vmax=vmax, cmap=colormap, aspect="auto", interpolation="nearest"
+    )
     if rows is not None:
         ax.set_yticks(range(values.shape[0]), labels=rows)
     if cols is not None:
@@ -239,8 +245,15 @@ def heatmap(
                 continue
             r, g, b, _ = colormap((value - vmin) / (vmax - vmin))
             dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
-            ax.text(j, i, fmt.format(value), ha="center", va="center", fontsize=9,
-                    color="white" if dark else "black")
+            ax.text(
+                j,
+                i,
+                fmt.format(value),
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="white" if dark else "black",
+            )
     if colorbar_label is not None:
         ax.figure.colorbar(im, ax=ax, label=colorbar_label)
     return im
@@ -303,14 +316,22 @@ def mask_plot(
         raise TypeError("allowed must be a 2-D boolean array; got None")
     mask = np.asarray(allowed)
     if mask.dtype != bool:
-        raise TypeError(f"allowed must be a boolean array (True = may attend); got dtype {mask.dtype}")
+        raise TypeError(
+            f"allowed must be a boolean array (True = may attend); got dtype {mask.dtype}"
+        )
     if mask.ndim != 2:
         raise ValueError(f"allowed must be 2-D (T, S); got allowed.shape={mask.shape}")
     rows = _check_labels(row_labels, mask.shape[0], "row_labels")
     cols = _check_labels(col_labels, mask.shape[1], "col_labels")
     colors = [MASKED_COLOR, ALLOWED_COLOR]
-    im = ax.imshow(mask.astype(int), cmap=ListedColormap(colors), vmin=0, vmax=1,
-                   aspect="auto", interpolation="nearest")
+    im = ax.imshow(
+        mask.astype(int),
+        cmap=ListedColormap(colors),
+        vmin=0,
+        vmax=1,
+        aspect="auto",
+        interpolation="nearest",
+    )
     if rows is not None:
         ax.set_yticks(range(mask.shape[0]), labels=rows)
     if cols is not None:
@@ -318,9 +339,18 @@ def mask_plot(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if legend:
-        handles = [Patch(facecolor=colors[1], label=labels[0]), Patch(facecolor=colors[0], label=labels[1])]
+        handles = [
+            Patch(facecolor=colors[1], label=labels[0]),
+            Patch(facecolor=colors[0], label=labels[1]),
+        ]
         # Beside the axes, where it never meets the tick or axis labels (constrained layout
         # makes room for it).
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False,
-                  borderaxespad=0.0, handlelength=1.2)
+        ax.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1.0),
+            frameon=False,
+            borderaxespad=0.0,
+            handlelength=1.2,
+        )
     return im

@@ -63,7 +63,16 @@ from .masks import alignment_offset, band_limits
 from .problem import AttentionProblem, check_overflow, mark_poisoned
 from .threads import default_num_threads, run_in_threads, single_threaded_blas
 
-__all__ = ["BLOCK_K", "BLOCK_ROWS", "TileStats", "attention_tiled", "tile_map"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_ROWS",
+    "FOLD_LIMIT",
+    "LAZY_MARGIN",
+    "VALUE_WIDTH_MULTIPLE",
+    "TileStats",
+    "attention_tiled",
+    "tile_map",
+]
 
 # Tile sizes, chosen by measurement on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core); see
 # benchmarks/tune.py. ``BLOCK_ROWS`` is the number of query rows per tile *after* folding the
@@ -79,12 +88,14 @@ _EVERY_KEY = object()  # a tile whose every score the user's boolean mask disall
 # Lazy rescaling: a row keeps its shift m while its scores stay below m + LAZY_MARGIN, so most
 # tiles need neither a row-maximum pass nor a rescaling of the accumulator. A tile is accepted
 # when every row sum of exp(scores - m) is at most LAZY_BOUND, which bounds each term.
+#: How far above a row's shift ``m`` a score may lie before the shift must move.
 LAZY_MARGIN = 20.0
 LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 
 # The values travel with a column of ones (their product with the probabilities is the row sum
 # l) and zeros up to a multiple of this width: BLAS kernels work on panels of 4 or 8 columns, and
 # a product with Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32).
+#: The values' width ``Dv + 1`` (with the column of ones) is padded up to a multiple of this.
 VALUE_WIDTH_MULTIPLE = 8
 
 
@@ -353,6 +364,7 @@ def _make_plan(problem: AttentionProblem, block_q, block_k, with_stats=False, ex
 # costs nothing while m is of the size of the scores (it lags at most LAZY_MARGIN behind their
 # maximum), but a row whose scores are dominated by a large bias (a float mask filled with
 # finfo.min or -1e9) must subtract m separately, as the reference path does, or q.k is lost.
+#: The largest ``|m|`` that is folded into the first matrix product.
 FOLD_LIMIT = 64.0
 
 
@@ -723,24 +735,3 @@ def attention_tiled(
     if return_stats:
         return out, lse, plan.m.reshape(*bs, T), plan.ell.reshape(*bs, T)
     return out, lse
-
-
-# Moved to sdpa.cost_model (issue 16); these old names keep working until every page that
-# imports them from here is updated. A module __getattr__, because cost_model imports this
-# module (imports run one way) and so cannot be imported at the top.
-_MOVED_TO_COST_MODEL = {
-    "MIN_TILED_SCORES",
-    "REFERENCE_COST",
-    "TILED_COST",
-    "estimated_times",
-    "tiling_geometry",
-    "worth_tiling",
-}
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_COST_MODEL:
-        from . import cost_model  # noqa: PLC0415 - see above
-
-        return getattr(cost_model, name)
-    raise AttributeError(f"module 'sdpa.tiled' has no attribute {name!r}")

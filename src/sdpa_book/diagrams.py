@@ -152,14 +152,18 @@ def _real_array(value, name: str, ndim: int) -> np.ndarray:
     if array.dtype.kind not in "biuf":
         raise TypeError(f"{name} must be a {ndim}-D array of real numbers; got dtype {array.dtype}")
     if array.ndim != ndim or 0 in array.shape:
-        raise ValueError(f"{name} must be a non-empty {ndim}-D array; got {name}.shape={array.shape}")
+        raise ValueError(
+            f"{name} must be a non-empty {ndim}-D array; got {name}.shape={array.shape}"
+        )
     return array.astype(np.float64)
 
 
 def _fontsize(fontsize) -> float:
     size = _positive_number(fontsize, "fontsize")
     if size < MIN_FONT_PT:
-        raise ValueError(f"fontsize must be at least MIN_FONT_PT = {MIN_FONT_PT} pt; got {fontsize!r}")
+        raise ValueError(
+            f"fontsize must be at least MIN_FONT_PT = {MIN_FONT_PT} pt; got {fontsize!r}"
+        )
     return size
 
 
@@ -259,8 +263,9 @@ def _line_width(line: str, fontsize: float) -> float:
 
     renderer = _measuring_renderer()
     ismath = line.count("$") >= 2 and line.count("$") % 2 == 0
-    width, _, _ = renderer.get_text_width_height_descent(line, FontProperties(size=fontsize),
-                                                         ismath=ismath)
+    width, _, _ = renderer.get_text_width_height_descent(
+        line, FontProperties(size=fontsize), ismath=ismath
+    )
     return float(width) / _MEASURE_DPI
 
 
@@ -417,17 +422,32 @@ def draw_box(
         raise ValueError(f"fill must lie in [0, 1]; got {fill!r}")
     pad = min(0.04, width / 4, height / 4) if rounded else 0.0
     style = f"round,pad=0,rounding_size={pad}" if rounded else "square,pad=0"
-    _add(ax,
+    _add(
+        ax,
         FancyBboxPatch(
-            (x, y), width, height, boxstyle=style, facecolor=_mix(color, fill),
-            edgecolor=_shade(color), linewidth=1.1, linestyle=linestyle,
+            (x, y),
+            width,
+            height,
+            boxstyle=style,
+            facecolor=_mix(color, fill),
+            edgecolor=_shade(color),
+            linewidth=1.1,
+            linestyle=linestyle,
             label=f"_tag {tag}" if tag else None,
-        )
+        ),
     )
     rect = Rect(x, y, x + width, y + height)
     if text:
-        ax.text(rect.cx, rect.cy, text, ha="center", va="center", fontsize=fontsize, color=INK,
-                linespacing=1.3)
+        ax.text(
+            rect.cx,
+            rect.cy,
+            text,
+            ha="center",
+            va="center",
+            fontsize=fontsize,
+            color=INK,
+            linespacing=1.3,
+        )
     return rect
 
 
@@ -481,14 +501,25 @@ def draw_arrow(
     from matplotlib.patches import FancyArrowPatch
 
     fontsize = _fontsize(fontsize)
-    offsets = {"above": (0, 0.05, "center", "bottom"), "below": (0, -0.05, "center", "top"),
-               "left": (-0.06, 0, "right", "center"), "right": (0.06, 0, "left", "center")}
+    offsets = {
+        "above": (0, 0.05, "center", "bottom"),
+        "below": (0, -0.05, "center", "top"),
+        "left": (-0.06, 0, "right", "center"),
+        "right": (0.06, 0, "left", "center"),
+    }
     if label_side not in offsets:
         raise ValueError(f"label_side must be one of {sorted(offsets)}; got {label_side!r}")
     arrow = FancyArrowPatch(
-        start, end, arrowstyle="-|>,head_length=5,head_width=3", mutation_scale=1,
-        connectionstyle=f"arc3,rad={curve}", color=color, linewidth=linewidth,
-        linestyle=linestyle, shrinkA=0, shrinkB=0,
+        start,
+        end,
+        arrowstyle="-|>,head_length=5,head_width=3",
+        mutation_scale=1,
+        connectionstyle=f"arc3,rad={curve}",
+        color=color,
+        linewidth=linewidth,
+        linestyle=linestyle,
+        shrinkA=0,
+        shrinkB=0,
     )
     _add(ax, arrow)
     if label:
@@ -525,8 +556,15 @@ def _stack_size(lines: Sequence[tuple[str, float]]) -> tuple[float, float]:
     return width, sum(_stack_line_height(t, fs) for t, fs in lines)
 
 
-def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], gap: float = 0.05,
-                 floor: float | None = None, align: str = "center"):
+def _label_stack(
+    ax,
+    rect: Rect,
+    side: str,
+    lines: Sequence[tuple[str, float]],
+    gap: float = 0.05,
+    floor: float | None = None,
+    align: str = "center",
+):
     """Write ``lines`` (text, fontsize) as a stack beside ``rect``; return the Text artists.
 
     Beside (``left``/``right``), the stack is centred on ``rect`` (``align="top"``: starts at
@@ -550,8 +588,9 @@ def _label_stack(ax, rect: Rect, side: str, lines: Sequence[tuple[str, float]], 
         y = max(y, floor + total)
     for text, fs in lines:
         h = _stack_line_height(text, fs)
-        texts.append(ax.text(x, y - h / 2, text, ha=ha, va="center_baseline", fontsize=fs,
-                             color=INK))
+        texts.append(
+            ax.text(x, y - h / 2, text, ha=ha, va="center_baseline", fontsize=fs, color=INK)
+        )
         y -= h
     return texts
 
@@ -563,7 +602,9 @@ def _grid_shape(shape, column: bool = False) -> tuple[int, int]:
     return (shape[0], 1) if column else (1, shape[0])
 
 
-def _matrix_size(shape, unit: float, min_size: float = 0.1, column: bool = False) -> tuple[float, float]:
+def _matrix_size(
+    shape, unit: float, min_size: float = 0.1, column: bool = False
+) -> tuple[float, float]:
     """Width and height, in inches, of the grid :func:`draw_matrix` draws for ``shape``."""
     rows, cols = _grid_shape(shape, column)
     return _extent(cols, unit, min_size), _extent(rows, unit, min_size)
@@ -673,7 +714,9 @@ def draw_matrix(
         raise ValueError(f"shape must be (rows, cols) or (n,); got {shape!r}")
     shape = tuple(_positive_int(n, "shape") for n in shape)
     if dims is not None and len(dims) != len(shape):
-        raise ValueError(f"dims must name each of the {len(shape)} sizes of shape={shape}; got {dims!r}")
+        raise ValueError(
+            f"dims must name each of the {len(shape)} sizes of shape={shape}; got {dims!r}"
+        )
     rows, cols = _grid_shape(shape, column)
     width, height = _matrix_size(shape, unit, min_size, column)
     rect = Rect(x, y, x + width, y + height)
@@ -691,22 +734,40 @@ def draw_matrix(
             from matplotlib.patches import PathPatch
             from matplotlib.path import Path
 
-            squares = [((x + j * cell_w, y + height - (i + 1) * cell_h),
-                        (x + (j + 1) * cell_w, y + height - (i + 1) * cell_h),
-                        (x + (j + 1) * cell_w, y + height - i * cell_h),
-                        (x + j * cell_w, y + height - i * cell_h))
-                       for i, j in zip(*np.nonzero(hidden))]
+            squares = [
+                (
+                    (x + j * cell_w, y + height - (i + 1) * cell_h),
+                    (x + (j + 1) * cell_w, y + height - (i + 1) * cell_h),
+                    (x + (j + 1) * cell_w, y + height - i * cell_h),
+                    (x + j * cell_w, y + height - i * cell_h),
+                )
+                for i, j in zip(*np.nonzero(hidden))
+            ]
             if squares:
-                path = Path.make_compound_path(*(Path(sq + (sq[0],), closed=True) for sq in squares))
-                _add(ax, PathPatch(path, facecolor=MASKED_COLOR, edgecolor="none",
-                                       label=f"_masked {tag}" if tag else None))
+                path = Path.make_compound_path(
+                    *(Path(sq + (sq[0],), closed=True) for sq in squares)
+                )
+                _add(
+                    ax,
+                    PathPatch(
+                        path,
+                        facecolor=MASKED_COLOR,
+                        edgecolor="none",
+                        label=f"_masked {tag}" if tag else None,
+                    ),
+                )
         else:  # too many cells for one square each: an image of the mask
             from matplotlib.colors import to_rgba
 
             image = np.zeros((rows, cols, 4))
             image[hidden] = to_rgba(MASKED_COLOR)
-            ax.imshow(image, extent=(x, x + width, y, y + height), interpolation="nearest",
-                      aspect="auto", zorder=1.5)
+            ax.imshow(
+                image,
+                extent=(x, x + width, y, y + height),
+                interpolation="nearest",
+                aspect="auto",
+                zorder=1.5,
+            )
 
     # Cell lines (only while cells stay distinguishable), then the block lines and the outline.
     segments = []
@@ -719,39 +780,69 @@ def draw_matrix(
         _add(ax, LineCollection(segments, colors=[grid_color], linewidths=0.6))
     blocks = []
     if row_blocks:
-        blocks += [((x, y + height - i * cell_h), (x + width, y + height - i * cell_h))
-                   for i in range(row_blocks, rows, row_blocks)]
+        blocks += [
+            ((x, y + height - i * cell_h), (x + width, y + height - i * cell_h))
+            for i in range(row_blocks, rows, row_blocks)
+        ]
     if col_blocks:
-        blocks += [((x + j * cell_w, y), (x + j * cell_w, y + height))
-                   for j in range(col_blocks, cols, col_blocks)]
+        blocks += [
+            ((x + j * cell_w, y), (x + j * cell_w, y + height))
+            for j in range(col_blocks, cols, col_blocks)
+        ]
     if blocks:
         _add(ax, LineCollection(blocks, colors=[edge], linewidths=1.6))
-    _add(ax, Rectangle((x, y), width, height, facecolor="none", edgecolor=edge,
-                           linewidth=1.1, linestyle=linestyle,
-                           label=f"_tag {tag}" if tag else None))
+    _add(
+        ax,
+        Rectangle(
+            (x, y),
+            width,
+            height,
+            facecolor="none",
+            edgecolor=edge,
+            linewidth=1.1,
+            linestyle=linestyle,
+            label=f"_tag {tag}" if tag else None,
+        ),
+    )
 
     if values is not None:
         if np.shape(values) != shape:
             raise ValueError(f"values must have the matrix's shape {shape}; got {np.shape(values)}")
-        labels = [[_fmt_value(v) for v in row] for row in np.asarray(values, dtype=float).reshape(rows, cols)]
+        labels = [
+            [_fmt_value(v) for v in row]
+            for row in np.asarray(values, dtype=float).reshape(rows, cols)
+        ]
         widest = max(text_size(t)[0] for row in labels for t in row)
         if cell_w >= widest + 0.06 and cell_h >= 0.17:  # only where every number fits its cell
             for i, row in enumerate(labels):
                 for j, text in enumerate(row):
-                    ax.text(x + (j + 0.5) * cell_w, y + height - (i + 0.5) * cell_h, text,
-                            ha="center", va="center", fontsize=LABEL_PT, color=INK)
+                    ax.text(
+                        x + (j + 0.5) * cell_w,
+                        y + height - (i + 0.5) * cell_h,
+                        text,
+                        ha="center",
+                        va="center",
+                        fontsize=LABEL_PT,
+                        color=INK,
+                    )
 
     for side, lines in _label_lines(name, dims, shape, name_at, shape_at).items():
         _label_stack(ax, rect, side, lines, floor=label_floor, align=label_align)
     return rect
 
 
-def _block_rect(rect: Rect, shape: Sequence[int], rows: tuple[int, int], cols: tuple[int, int]) -> Rect:
+def _block_rect(
+    rect: Rect, shape: Sequence[int], rows: tuple[int, int], cols: tuple[int, int]
+) -> Rect:
     """The sub-rectangle of a grid drawn by :func:`draw_matrix` covering ``rows`` x ``cols``."""
     n_rows, n_cols = (1, shape[0]) if len(shape) == 1 else shape
     cw, ch = rect.width / n_cols, rect.height / n_rows
-    return Rect(rect.x0 + cols[0] * cw, rect.y1 - rows[1] * ch, rect.x0 + cols[1] * cw,
-                rect.y1 - rows[0] * ch)
+    return Rect(
+        rect.x0 + cols[0] * cw,
+        rect.y1 - rows[1] * ch,
+        rect.x0 + cols[1] * cw,
+        rect.y1 - rows[0] * ch,
+    )
 
 
 def tagged_rects(fig) -> dict[str, Rect]:
@@ -781,8 +872,9 @@ def tagged_rects(fig) -> dict[str, Rect]:
             label = patch.get_label() or ""
             if label.startswith("_tag "):
                 x, y = float(patch.get_x()), float(patch.get_y())
-                rects[label[len("_tag "):]] = Rect(x, y, x + float(patch.get_width()),
-                                                   y + float(patch.get_height()))
+                rects[label[len("_tag ") :]] = Rect(
+                    x, y, x + float(patch.get_width()), y + float(patch.get_height())
+                )
     return rects
 
 
@@ -803,9 +895,18 @@ def _segment(ax, xs, ys, **kwargs):
 def _outline(ax, rect: Rect, color, *, linewidth: float = 2.2, linestyle: str = "-", fill=None):
     from matplotlib.patches import Rectangle
 
-    _add(ax, Rectangle((rect.x0, rect.y0), rect.width, rect.height,
-                           facecolor=fill if fill is not None else "none", edgecolor=color,
-                           linewidth=linewidth, linestyle=linestyle))
+    _add(
+        ax,
+        Rectangle(
+            (rect.x0, rect.y0),
+            rect.width,
+            rect.height,
+            facecolor=fill if fill is not None else "none",
+            edgecolor=color,
+            linewidth=linewidth,
+            linestyle=linestyle,
+        ),
+    )
 
 
 def draw_bracket(
@@ -884,7 +985,9 @@ def draw_bracket(
     return ax.text(far, mid, text, ha=ha, va="center", fontsize=fontsize, color=INK)
 
 
-def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), ncols: int | None = None):
+def role_legend(
+    ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), ncols: int | None = None
+):
     """A legend of colour roles: one patch per ``(label, colour)`` entry, no frame.
 
     Parameters
@@ -931,15 +1034,27 @@ def role_legend(ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), nc
         if extra and extra[0].get("line"):
             handles.append(Line2D([], [], color=color, linewidth=1.8, label=label))
             continue
-        props = {"edgecolor": _shade(color) if color not in ("white", "#ffffff") else NEUTRAL,
-                 "linewidth": 1.0}
+        props = {
+            "edgecolor": _shade(color) if color not in ("white", "#ffffff") else NEUTRAL,
+            "linewidth": 1.0,
+        }
         if extra:
             props.update(extra[0])
         handles.append(Patch(facecolor=color, label=label, **props))
-    return ax.legend(handles=handles, loc=loc, bbox_to_anchor=anchor, bbox_transform=ax.transAxes,
-                     ncols=ncols or len(handles), frameon=False, fontsize=LABEL_PT,
-                     handlelength=1.4, handleheight=1.0, columnspacing=1.2, borderaxespad=0.1,
-                     borderpad=0.1)
+    return ax.legend(
+        handles=handles,
+        loc=loc,
+        bbox_to_anchor=anchor,
+        bbox_transform=ax.transAxes,
+        ncols=ncols or len(handles),
+        frameon=False,
+        fontsize=LABEL_PT,
+        handlelength=1.4,
+        handleheight=1.0,
+        columnspacing=1.2,
+        borderaxespad=0.1,
+        borderpad=0.1,
+    )
 
 
 def figure_texts(fig) -> list[str]:
@@ -1024,18 +1139,23 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     E = x.shape[0]
     for W, n in ((W_q, "W_q"), (W_k, "W_k"), (W_v, "W_v")):
         if W.shape[0] != E:
-            raise ValueError(f"{n} must have E = {E} rows, one per entry of x; "
-                             f"got x.shape={x.shape}, {n}.shape={W.shape}")
+            raise ValueError(
+                f"{n} must have E = {E} rows, one per entry of x; "
+                f"got x.shape={x.shape}, {n}.shape={W.shape}"
+            )
     if W_q.shape[1] != W_k.shape[1]:
-        raise ValueError("W_q and W_k must share the width Dk; "
-                         f"got W_q.shape={W_q.shape}, W_k.shape={W_k.shape}")
+        raise ValueError(
+            f"W_q and W_k must share the width Dk; got W_q.shape={W_q.shape}, W_k.shape={W_k.shape}"
+        )
     Dk, Dv = W_q.shape[1], W_v.shape[1]
     for n, v in (("E", E), ("Dk", Dk), ("Dv", Dv)):
         _at_most(v, MAX_CELLS, n)
 
-    branches = [("q", "Q", W_q, ("E", "D_k"), QUERY, ("D_k",)),
-                ("k", "K", W_k, ("E", "D_k"), KEY, ("D_k",)),
-                ("v", "V", W_v, ("E", "D_v"), VALUE, ("D_v",))]
+    branches = [
+        ("q", "Q", W_q, ("E", "D_k"), QUERY, ("D_k",)),
+        ("k", "K", W_k, ("E", "D_k"), KEY, ("D_k",)),
+        ("v", "V", W_v, ("E", "D_v"), VALUE, ("D_v",)),
+    ]
     token_text = f"\u201c{token}\u201d"
     token_w = text_size(token_text, NAME_PT)[0] + 0.2
     widest = max(Dk, Dv)
@@ -1071,18 +1191,50 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
         y_top -= bh
     y_mid = centres[1]
     tok = draw_box(ax, MARGIN, y_mid - 0.2, token_w, 0.4, token_text, color=NEUTRAL, fill=0.08)
-    x_rect = draw_matrix(ax, x_vec0, y_mid - vec_h / 2, (E,), unit=cell, min_size=vec_h,
-                         color=NEUTRAL, fill=0.12, name="embedding $x$", dims=("E",), values=x,
-                         tag="x")
+    x_rect = draw_matrix(
+        ax,
+        x_vec0,
+        y_mid - vec_h / 2,
+        (E,),
+        unit=cell,
+        min_size=vec_h,
+        color=NEUTRAL,
+        fill=0.12,
+        name="embedding $x$",
+        dims=("E",),
+        values=x,
+        tag="x",
+    )
     draw_arrow(ax, tok.right, x_rect.left)
     for (o, b, W, dims, color, out_dims), yc, h in zip(branches, centres, rows_h):
-        w_rect = draw_matrix(ax, x_w0, yc - h / 2, W.shape, unit=unit_w, color=color, fill=0.3,
-                             name=f"$W_{b}$", dims=dims, tag=f"W_{b}")
+        w_rect = draw_matrix(
+            ax,
+            x_w0,
+            yc - h / 2,
+            W.shape,
+            unit=unit_w,
+            color=color,
+            fill=0.3,
+            name=f"$W_{b}$",
+            dims=dims,
+            tag=f"W_{b}",
+        )
         draw_arrow(ax, (x_rect.x1 + 0.04, x_rect.cy), (w_rect.x0 - 0.02, yc))
         out = x @ W  # (E,) @ (E, D) -> (D,)
-        o_rect = draw_matrix(ax, x_out0, yc - vec_h / 2, out.shape, unit=cell, min_size=vec_h,
-                             color=color, fill=0.35, name=f"${o} = x\\,W_{b}$", dims=out_dims,
-                             values=out, tag=o)
+        o_rect = draw_matrix(
+            ax,
+            x_out0,
+            yc - vec_h / 2,
+            out.shape,
+            unit=cell,
+            min_size=vec_h,
+            color=color,
+            fill=0.35,
+            name=f"${o} = x\\,W_{b}$",
+            dims=out_dims,
+            values=out,
+            tag=o,
+        )
         draw_arrow(ax, (w_rect.x1 + 0.04, yc), (o_rect.x0 - 0.02, yc))
     return fig
 
@@ -1118,8 +1270,9 @@ def _fit_unit(layout, unit_max: float, width_max: float, height_max: float):
     return (lo, *low)
 
 
-def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool = True,
-                               compact: bool = False):
+def attention_pipeline_diagram(
+    T: int, S: int, Dk: int, Dv: int, *, mask: bool = True, compact: bool = False
+):
     r"""The whole computation with its shapes: ``Q, K -> scores -> scale -> mask -> softmax ->
     weights -> @ V -> out``.
 
@@ -1160,8 +1313,18 @@ def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool =
     T, S, Dk, Dv = (_positive_int(v, n) for v, n in ((T, "T"), (S, "S"), (Dk, "Dk"), (Dv, "Dv")))
     mask = _flag(mask, "mask")
     compact = _flag(compact, "compact")
-    words = {} if compact else {"Q": "queries ", "Kt": "keys ", "Z": "scores ", "A": "weights ",
-                                "V": "values ", "O": "out "}
+    words = (
+        {}
+        if compact
+        else {
+            "Q": "queries ",
+            "Kt": "keys ",
+            "Z": "scores ",
+            "A": "weights ",
+            "V": "values ",
+            "O": "out ",
+        }
+    )
     specs = {
         "Q": ((T, Dk), ("T", "D_k"), "$Q$", QUERY),
         "Kt": ((Dk, S), ("D_k", "S"), "$K^\\top$", KEY),
@@ -1172,8 +1335,10 @@ def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool =
     }
     names = {k: words.get(k, "") + spec[2] for k, spec in specs.items()}
     tags = {"Q": "Q", "Kt": "K^T", "Z": "scores", "A": "weights", "V": "V", "O": "O"}
-    labels = {k: _stack_size(_label_lines(names[k], spec[1], spec[0], "s", "s")["s"])
-              for k, spec in specs.items()}
+    labels = {
+        k: _stack_size(_label_lines(names[k], spec[1], spec[0], "s", "s")["s"])
+        for k, spec in specs.items()
+    }
     step_texts = ["$\\div\\sqrt{D_k}$"] + (["causal\nmask"] if mask else []) + ["softmax"]
     if compact:
         step_texts = ["\n".join(t.replace("\n", " ") for t in step_texts)]
@@ -1188,16 +1353,22 @@ def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool =
         h = {k: _extent(spec[0][0], unit, 0.1) for k, spec in specs.items()}
         x = {}
         x["Q"] = MARGIN + max(0.0, (labels["Q"][0] - w["Q"]) / 2)
-        x["Z"] = x["Q"] + w["Q"] + max(gap, (labels["Q"][0] + labels["Z"][0]) / 2 + 0.15
-                                       - (w["Q"] + w["Z"]) / 2)
+        x["Z"] = (
+            x["Q"]
+            + w["Q"]
+            + max(gap, (labels["Q"][0] + labels["Z"][0]) / 2 + 0.15 - (w["Q"] + w["Z"]) / 2)
+        )
         steps_x = [x["Z"] + w["Z"] + arrow]
         for sw in step_w[:-1]:
             steps_x.append(steps_x[-1] + sw + arrow)
         x["A"] = steps_x[-1] + step_w[-1] + arrow
         # The labels of K^T (right of it) and of V (left of it) share the space above the steps.
         needed = x["Z"] + w["Z"] + 0.1 + labels["Kt"][0] + 0.25 + labels["V"][0] + 0.1
-        x["O"] = x["A"] + w["A"] + max(gap, (labels["A"][0] + labels["O"][0]) / 2 + 0.15
-                                       - (w["A"] + w["O"]) / 2)
+        x["O"] = (
+            x["A"]
+            + w["A"]
+            + max(gap, (labels["A"][0] + labels["O"][0]) / 2 + 0.15 - (w["A"] + w["O"]) / 2)
+        )
         if needed > x["O"]:  # lengthen the arrows around the steps evenly
             extra = (needed - x["O"]) / (len(steps_x) + 1)
             steps_x = [sx + (i + 1) * extra for i, sx in enumerate(steps_x)]
@@ -1209,14 +1380,22 @@ def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool =
         row_h = max(h["Q"], max(step_h))
         y_top_row = y_row + (row_h + h["Q"]) / 2 + gap
         floor = y_row + row_h / 2 + max(step_h) / 2 + 0.05  # labels beside K^T, V clear the steps
-        top = max(y_top_row + max(h["Kt"], h["V"]),
-                  *(max(y_top_row + h[k] / 2 + labels[k][1] / 2, floor + labels[k][1])
-                    for k in ("Kt", "V"))) + MARGIN
+        top = (
+            max(
+                y_top_row + max(h["Kt"], h["V"]),
+                *(
+                    max(y_top_row + h[k] / 2 + labels[k][1] / 2, floor + labels[k][1])
+                    for k in ("Kt", "V")
+                ),
+            )
+            + MARGIN
+        )
         return width, top, (w, h, x, steps_x, y_row, y_top_row)
 
     width_max = 4.8 if compact else FULL_WIDTH
-    unit, width, height, plan = _fit_unit(layout, 0.16 if compact else 0.22, width_max,
-                                          2.6 if compact else 3.6)
+    unit, width, height, plan = _fit_unit(
+        layout, 0.16 if compact else 0.22, width_max, 2.6 if compact else 3.6
+    )
     w, h, x, steps_x, y_row, y_top_row = plan
     fig, ax = new_canvas(width, height)
     floor = y_row + max(h["Q"], max(step_h)) / 2 + max(step_h) / 2 + 0.05
@@ -1230,18 +1409,42 @@ def attention_pipeline_diagram(T: int, S: int, Dk: int, Dv: int, *, mask: bool =
         masked = None
         if key == "A" and mask:
             masked = np.triu(np.ones((T, S), dtype=bool), k=1)  # top-left causal: j > i
-        grids[key] = draw_matrix(ax, x[key], y_q, shape, unit=unit, color=color,
-                                 name=names[key], dims=dims, name_at="below", shape_at="below",
-                                 masked=masked, fill=0.45 if key in ("Z", "A") else 0.35,
-                                 tag=tags[key])
+        grids[key] = draw_matrix(
+            ax,
+            x[key],
+            y_q,
+            shape,
+            unit=unit,
+            color=color,
+            name=names[key],
+            dims=dims,
+            name_at="below",
+            shape_at="below",
+            masked=masked,
+            fill=0.45 if key in ("Z", "A") else 0.35,
+            tag=tags[key],
+        )
     for key, over, side in (("Kt", "Z", "right"), ("V", "O", "left")):
         shape, dims, _, color = specs[key]
-        grids[key] = draw_matrix(ax, x[over], grids[over].y1 + gap, shape, unit=unit,
-                                 color=color, name=names[key], dims=dims, name_at=side,
-                                 shape_at=side, label_floor=floor, tag=tags[key])
+        grids[key] = draw_matrix(
+            ax,
+            x[over],
+            grids[over].y1 + gap,
+            shape,
+            unit=unit,
+            color=color,
+            name=names[key],
+            dims=dims,
+            name_at=side,
+            shape_at=side,
+            label_floor=floor,
+            tag=tags[key],
+        )
     yc = grids["Z"].cy
-    boxes = [draw_box(ax, sx, yc - sh / 2, sw, sh, text, color=NEUTRAL, fill=0.1)
-             for sx, sw, sh, text in zip(steps_x, step_w, step_h, step_texts)]
+    boxes = [
+        draw_box(ax, sx, yc - sh / 2, sw, sh, text, color=NEUTRAL, fill=0.1)
+        for sx, sw, sh, text in zip(steps_x, step_w, step_h, step_texts)
+    ]
     points = [grids["Z"].right] + [p for b in boxes for p in (b.left, b.right)] + [grids["A"].left]
     for i in range(0, len(points), 2):
         into_softmax = i == len(points) - 4 and not compact
@@ -1262,8 +1465,15 @@ def _drawn_heads(H: int, limit: int = 4) -> list[int | None]:
 
 
 def _line(ax, start, end, color, *, linewidth: float = 0.9, linestyle: str = "-"):
-    _segment(ax, [start[0], end[0]], [start[1], end[1]], color=color, linewidth=linewidth,
-            linestyle=linestyle, solid_capstyle="round")
+    _segment(
+        ax,
+        [start[0], end[0]],
+        [start[1], end[1]],
+        color=color,
+        linewidth=linewidth,
+        linestyle=linestyle,
+        solid_capstyle="round",
+    )
 
 
 def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
@@ -1301,21 +1511,34 @@ def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
     ['$W_Q$\n$(E, HD_k)$\n(12, 12)', '$W_K$\n$(E, HD_k)$\n(12, 12)',
      '$W_V$\n$(E, HD_v)$\n(12, 6)', '$W_O$\n$(HD_v, E)$\n(6, 12)']
     """
-    T, E, H, Dk, Dv = (_positive_int(v, n) for v, n in
-                       ((T, "T"), (E, "E"), (H, "H"), (Dk, "Dk"), (Dv, "Dv")))
+    T, E, H, Dk, Dv = (
+        _positive_int(v, n) for v, n in ((T, "T"), (E, "E"), (H, "H"), (Dk, "Dk"), (Dv, "Dv"))
+    )
     width = FULL_WIDTH
     avail = width - 2 * MARGIN
     slot = avail / 3
-    proj = [("Q", "$Q$", QUERY, ("T", "HD_k"), (T, H * Dk), Dk, ("E", "HD_k"), (E, H * Dk)),
-            ("K", "$K$", KEY, ("T", "HD_k"), (T, H * Dk), Dk, ("E", "HD_k"), (E, H * Dk)),
-            ("V", "$V$", VALUE, ("T", "HD_v"), (T, H * Dv), Dv, ("E", "HD_v"), (E, H * Dv))]
-    label_w = max(_stack_size(_label_lines(n, d, s, "s", "s")["s"])[0] for _, n, _, d, s, *_ in proj)
-    singles = [("X", "input $X$", ("T", "E"), (T, E)),
-               ("concat", "concatenate", ("T", "HD_v"), (T, H * Dv)),
-               ("out", "out", ("T", "E"), (T, E))]
-    single_label_w = max(_stack_size(_label_lines(n, d, s, "s", "s")["s"])[0] for _, n, d, s in singles)
-    unit = min(0.16, (slot - label_w - 0.25) / (H * max(Dk, Dv)),
-               (avail - 2 * single_label_w - 0.2) / max(E, H * Dv), 0.7 / T)
+    proj = [
+        ("Q", "$Q$", QUERY, ("T", "HD_k"), (T, H * Dk), Dk, ("E", "HD_k"), (E, H * Dk)),
+        ("K", "$K$", KEY, ("T", "HD_k"), (T, H * Dk), Dk, ("E", "HD_k"), (E, H * Dk)),
+        ("V", "$V$", VALUE, ("T", "HD_v"), (T, H * Dv), Dv, ("E", "HD_v"), (E, H * Dv)),
+    ]
+    label_w = max(
+        _stack_size(_label_lines(n, d, s, "s", "s")["s"])[0] for _, n, _, d, s, *_ in proj
+    )
+    singles = [
+        ("X", "input $X$", ("T", "E"), (T, E)),
+        ("concat", "concatenate", ("T", "HD_v"), (T, H * Dv)),
+        ("out", "out", ("T", "E"), (T, E)),
+    ]
+    single_label_w = max(
+        _stack_size(_label_lines(n, d, s, "s", "s")["s"])[0] for _, n, d, s in singles
+    )
+    unit = min(
+        0.16,
+        (slot - label_w - 0.25) / (H * max(Dk, Dv)),
+        (avail - 2 * single_label_w - 0.2) / max(E, H * Dv),
+        0.7 / T,
+    )
     grid_h = _extent(T, unit, 0.1)
     level_h = max(grid_h, 3 * _line_height(LABEL_PT) + 0.02)
     box_text = [f"$W_{n}$\n{_mathtext_shape(d)}\n{_numeric_shape(s)}" for n, *_, d, s in proj]
@@ -1324,8 +1547,21 @@ def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
     head_h = 0.32
     gap = 0.22
     fan = 0.45  # room for the lines from the head blocks to the heads
-    heights = [level_h, gap, box_h, gap, level_h, fan, head_h, gap, level_h, gap, box_h, gap,
-               level_h]
+    heights = [
+        level_h,
+        gap,
+        box_h,
+        gap,
+        level_h,
+        fan,
+        head_h,
+        gap,
+        level_h,
+        gap,
+        box_h,
+        gap,
+        level_h,
+    ]
     height = sum(heights) + 2 * MARGIN
     fig, ax = new_canvas(width, height)
 
@@ -1336,23 +1572,51 @@ def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
         w, h = _matrix_size(shape, unit)
         # labels that start at the grid's top: the grid starts at the level's top
         y = top_of[level] - (h if kwargs.get("label_align") == "top" else level_h / 2 + h / 2)
-        return draw_matrix(ax, cx - w / 2, y, shape, unit=unit, name_at="right", shape_at="right",
-                           **kwargs)
+        return draw_matrix(
+            ax, cx - w / 2, y, shape, unit=unit, name_at="right", shape_at="right", **kwargs
+        )
 
     cx = MARGIN + avail / 2 - single_label_w / 2
-    x_rect = centred_grid(cx, 0, (T, E), color=NEUTRAL, fill=0.15, name="input $X$",
-                          dims=("T", "E"), tag="X", label_align="top")
+    x_rect = centred_grid(
+        cx,
+        0,
+        (T, E),
+        color=NEUTRAL,
+        fill=0.15,
+        name="input $X$",
+        dims=("T", "E"),
+        tag="X",
+        label_align="top",
+    )
     # X feeds the three projections through a stem that clears X's labels.
     stem_y = top_of[0] - level_h
     _line(ax, (x_rect.cx, x_rect.y0), (x_rect.cx, stem_y), INK, linewidth=1.2)
     blocks = {}
     for i, (key, name, color, dims, shape, block, _, _) in enumerate(proj):
         slot_cx = MARGIN + slot * (i + 0.5) - label_w / 2
-        box = draw_box(ax, slot_cx - box_w / 2, top_of[2] - box_h, box_w, box_h, box_text[i],
-                       color=color, fill=0.12, fontsize=LABEL_PT)
+        box = draw_box(
+            ax,
+            slot_cx - box_w / 2,
+            top_of[2] - box_h,
+            box_w,
+            box_h,
+            box_text[i],
+            color=color,
+            fill=0.12,
+            fontsize=LABEL_PT,
+        )
         draw_arrow(ax, (x_rect.cx, stem_y), (box.cx, box.y1 + 0.02))
-        grid = centred_grid(slot_cx, 4, shape, color=color, name=name, dims=dims, col_blocks=block,
-                            tag=key, label_align="top")
+        grid = centred_grid(
+            slot_cx,
+            4,
+            shape,
+            color=color,
+            name=name,
+            dims=dims,
+            col_blocks=block,
+            tag=key,
+            label_align="top",
+        )
         draw_arrow(ax, (box.cx, box.y0 - 0.02), (grid.cx, grid.y1 + 0.03))
         blocks[key] = (grid, shape, block)
 
@@ -1364,11 +1628,19 @@ def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
     for n, h in enumerate(heads):
         hx = MARGIN + spread * (n + 0.5) / len(heads) - head_w / 2
         if h is None:
-            ax.text(hx + head_w / 2, head_y + head_h / 2, "\N{HORIZONTAL ELLIPSIS}", ha="center",
-                    va="center", fontsize=NAME_PT, color=INK)
+            ax.text(
+                hx + head_w / 2,
+                head_y + head_h / 2,
+                "\N{HORIZONTAL ELLIPSIS}",
+                ha="center",
+                va="center",
+                fontsize=NAME_PT,
+                color=INK,
+            )
             continue
-        head_boxes[h] = draw_box(ax, hx, head_y, head_w, head_h, f"head {h + 1}", color=NEUTRAL,
-                                 fill=0.1)
+        head_boxes[h] = draw_box(
+            ax, hx, head_y, head_w, head_h, f"head {h + 1}", color=NEUTRAL, fill=0.1
+        )
         for key, color in (("Q", QUERY), ("K", KEY), ("V", VALUE)):
             grid, shape, block = blocks[key]
             part = _block_rect(grid, shape, (0, shape[0]), (h * block, (h + 1) * block))
@@ -1376,23 +1648,59 @@ def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
             fan_y = top_of[4] - level_h
             _line(ax, (part.cx, part.y0), (part.cx, fan_y), _shade(color))
             offset = {"Q": -0.15, "K": 0.0, "V": 0.15}[key]
-            _line(ax, (part.cx, fan_y), (head_boxes[h].cx + offset, head_boxes[h].y1 + 0.01),
-                  _shade(color))
+            _line(
+                ax,
+                (part.cx, fan_y),
+                (head_boxes[h].cx + offset, head_boxes[h].y1 + 0.01),
+                _shade(color),
+            )
     last = head_boxes[max(head_boxes)]
-    _label_stack(ax, Rect(last.x0, last.y0, last.x1, last.y1), "right",
-                 [("each head", LABEL_PT), ("$(T, D_v)$", LABEL_PT), (_numeric_shape((T, Dv)), LABEL_PT)])
+    _label_stack(
+        ax,
+        Rect(last.x0, last.y0, last.x1, last.y1),
+        "right",
+        [("each head", LABEL_PT), ("$(T, D_v)$", LABEL_PT), (_numeric_shape((T, Dv)), LABEL_PT)],
+    )
 
-    concat = centred_grid(cx, 8, (T, H * Dv), color=OUTPUT, fill=0.3, name="concatenate",
-                          dims=("T", "HD_v"), col_blocks=Dv, tag="concat", label_align="top")
+    concat = centred_grid(
+        cx,
+        8,
+        (T, H * Dv),
+        color=OUTPUT,
+        fill=0.3,
+        name="concatenate",
+        dims=("T", "HD_v"),
+        col_blocks=Dv,
+        tag="concat",
+        label_align="top",
+    )
     for h, box in head_boxes.items():
         part = _block_rect(concat, (T, H * Dv), (0, T), (h * Dv, (h + 1) * Dv))
         draw_arrow(ax, (box.cx, box.y0 - 0.02), (part.cx, part.y1 + 0.03))
     wo_text = f"$W_O$\n{_mathtext_shape(('HD_v', 'E'))}\n{_numeric_shape((H * Dv, E))}"
-    wo = draw_box(ax, cx - box_w / 2, top_of[10] - box_h, box_w, box_h, wo_text, color=OUTPUT,
-                  fill=0.12, fontsize=LABEL_PT)
+    wo = draw_box(
+        ax,
+        cx - box_w / 2,
+        top_of[10] - box_h,
+        box_w,
+        box_h,
+        wo_text,
+        color=OUTPUT,
+        fill=0.12,
+        fontsize=LABEL_PT,
+    )
     draw_arrow(ax, (concat.cx, concat.y0 - 0.03), (wo.cx, wo.y1 + 0.02))
-    out = centred_grid(cx, 12, (T, E), color=OUTPUT, fill=0.45, name="out", dims=("T", "E"),
-                       tag="out", label_align="top")
+    out = centred_grid(
+        cx,
+        12,
+        (T, E),
+        color=OUTPUT,
+        fill=0.45,
+        name="out",
+        dims=("T", "E"),
+        tag="out",
+        label_align="top",
+    )
     draw_arrow(ax, (wo.cx, wo.y0 - 0.02), (out.cx, out.y1 + 0.03))
     return fig
 
@@ -1445,11 +1753,14 @@ def grouped_heads_diagram(Hq: int, Hkv):
     many = isinstance(Hkv, (list, tuple, np.ndarray))
     kv_list = [_positive_int(h, "Hkv") for h in (Hkv if many else [Hkv])]
     if not 1 <= len(kv_list) <= 4:
-        raise ValueError(f"Hkv must hold one to four head counts (one panel each); got {len(kv_list)}")
+        raise ValueError(
+            f"Hkv must hold one to four head counts (one panel each); got {len(kv_list)}"
+        )
     for h in kv_list:
         if Hq % h:
-            raise ValueError("Hkv must divide Hq, so that query heads form equal groups; "
-                             f"got Hq={Hq}, Hkv={h}")
+            raise ValueError(
+                f"Hkv must divide Hq, so that query heads form equal groups; got Hq={Hq}, Hkv={h}"
+            )
 
     n = len(kv_list)
     panel_w = FULL_WIDTH / n if n > 1 else min(FULL_WIDTH, max(3.6, 0.3 * Hq + 0.6))
@@ -1471,41 +1782,110 @@ def grouped_heads_diagram(Hq: int, Hkv):
         pitch = span / Hq
         qw = pitch * (0.78 if Hq > 1 else 0.5)
         y_title = height - MARGIN
-        ax.text(x0 + span / 2, y_title, _kind_of_heads(Hq, Hkv_p), ha="center", va="top",
-                fontsize=NAME_PT, color=INK)
-        ax.text(x0 + span / 2, y_title - _line_height(NAME_PT) - 0.02,
-                f"$H_q = {Hq}$, $H_{{kv}} = {Hkv_p}$, $G = {G}$", ha="center", va="top",
-                fontsize=LABEL_PT, color=INK)
+        ax.text(
+            x0 + span / 2,
+            y_title,
+            _kind_of_heads(Hq, Hkv_p),
+            ha="center",
+            va="top",
+            fontsize=NAME_PT,
+            color=INK,
+        )
+        ax.text(
+            x0 + span / 2,
+            y_title - _line_height(NAME_PT) - 0.02,
+            f"$H_q = {Hq}$, $H_{{kv}} = {Hkv_p}$, $G = {G}$",
+            ha="center",
+            va="top",
+            fontsize=LABEL_PT,
+            color=INK,
+        )
         y_q = y_title - title_h - bracket_h - q_h
         show_index = qw >= 0.17 and Hq <= 32
         queries = []
         for h in range(Hq):
             qx = x0 + h * pitch + (pitch - qw) / 2
-            queries.append(draw_box(ax, qx, y_q, qw, q_h, str(h + 1) if show_index else None,
-                                    color=QUERY, fill=0.35, fontsize=LABEL_PT, rounded=qw > 0.1,
-                                    tag=f"{p}: query {h}"))
+            queries.append(
+                draw_box(
+                    ax,
+                    qx,
+                    y_q,
+                    qw,
+                    q_h,
+                    str(h + 1) if show_index else None,
+                    color=QUERY,
+                    fill=0.35,
+                    fontsize=LABEL_PT,
+                    rounded=qw > 0.1,
+                    tag=f"{p}: query {h}",
+                )
+            )
         if G > 1:  # one bracket per group, the first one labelled
             for g in range(Hkv_p):
                 first, last = queries[g * G], queries[(g + 1) * G - 1]
-                draw_bracket(ax, first.x0, last.x1, y_q + q_h + 0.04,
-                             f"$G = {G}$" if g == 0 else None, depth=0.05)
+                draw_bracket(
+                    ax,
+                    first.x0,
+                    last.x1,
+                    y_q + q_h + 0.04,
+                    f"$G = {G}$" if g == 0 else None,
+                    depth=0.05,
+                )
         y_kv = y_q - link_h - 2 * kv_h
         group_w = G * pitch
         kvw = group_w - (pitch - qw) if G > 1 else qw
         for g in range(Hkv_p):
             kx = x0 + g * group_w + (group_w - kvw) / 2
-            key = draw_box(ax, kx, y_kv + kv_h, kvw, kv_h, None, color=KEY, fill=0.45,
-                           rounded=False, tag=f"{p}: key {g}")
-            draw_box(ax, kx, y_kv, kvw, kv_h, None, color=VALUE, fill=0.45, rounded=False,
-                     tag=f"{p}: value {g}")
+            key = draw_box(
+                ax,
+                kx,
+                y_kv + kv_h,
+                kvw,
+                kv_h,
+                None,
+                color=KEY,
+                fill=0.45,
+                rounded=False,
+                tag=f"{p}: key {g}",
+            )
+            draw_box(
+                ax,
+                kx,
+                y_kv,
+                kvw,
+                kv_h,
+                None,
+                color=VALUE,
+                fill=0.45,
+                rounded=False,
+                tag=f"{p}: value {g}",
+            )
             for h in range(g * G, (g + 1) * G):
-                spread = (h - g * G - (G - 1) / 2) * min(0.02, kvw / (2 * G))  # fan in, not one point
-                _line(ax, queries[h].bottom, (key.cx + spread, key.y1), _shade(QUERY), linewidth=0.9)
-        ax.text(x0 + span / 2, y_kv - 0.05, notes[p], ha="center", va="top", fontsize=LABEL_PT,
-                color=INK, linespacing=1.3)
+                spread = (h - g * G - (G - 1) / 2) * min(
+                    0.02, kvw / (2 * G)
+                )  # fan in, not one point
+                _line(
+                    ax, queries[h].bottom, (key.cx + spread, key.y1), _shade(QUERY), linewidth=0.9
+                )
+        ax.text(
+            x0 + span / 2,
+            y_kv - 0.05,
+            notes[p],
+            ha="center",
+            va="top",
+            fontsize=LABEL_PT,
+            color=INK,
+            linespacing=1.3,
+        )
         if p:  # panels apart
-            _line(ax, (p * panel_w, MARGIN + legend_h), (p * panel_w, height - MARGIN), "#cccccc",
-                  linewidth=0.8, linestyle=":")
+            _line(
+                ax,
+                (p * panel_w, MARGIN + legend_h),
+                (p * panel_w, height - MARGIN),
+                "#cccccc",
+                linewidth=0.8,
+                linestyle=":",
+            )
     role_legend(ax, [("query head", QUERY), ("key head", KEY), ("value head", VALUE)])
     return fig
 
@@ -1569,23 +1949,36 @@ def mask_geometry_diagram(T: int, S: int, *, window: int = 3, lengths=None):
         raise TypeError(f"lengths must be a sequence of integers; got {lengths!r}")
     lengths = [int(_nonneg_length(n, S)) for n in lengths]
     if not 1 <= len(lengths) <= 3:
-        raise ValueError("lengths must hold one to three sequence lengths (one panel each); "
-                         f"got {len(lengths)}")
+        raise ValueError(
+            f"lengths must hold one to three sequence lengths (one panel each); got {len(lengths)}"
+        )
 
     aligned = T != S
     panels = []  # (title, subtitle, allowed (T, S), offset to label or None)
     if aligned:
         panels.append(("causal, top-left", "$j \\leq i$", sdpa.causal_mask(T, S), 0))
-        panels.append(("causal, bottom-right", "$j \\leq i + S - T$",
-                       sdpa.causal_mask(T, S, alignment="bottom_right"), S - T))
+        panels.append(
+            (
+                "causal, bottom-right",
+                "$j \\leq i + S - T$",
+                sdpa.causal_mask(T, S, alignment="bottom_right"),
+                S - T,
+            )
+        )
     else:
         panels.append(("causal", "$j \\leq i$", sdpa.causal_mask(T, S), None))
     pad = sdpa.padding_mask(np.array(lengths), S)[:, 0, 0]  # (B, S)
     for n, row in zip(lengths, pad):
         panels.append((f"padding, length {n}", f"$j < {n}$", np.broadcast_to(row, (T, S)), None))
     alignment = "bottom_right" if aligned else "top_left"
-    panels.append((f"sliding window, $w = {w}$", f"the {w} most recent key{'s' if w > 1 else ''}",
-                   sdpa.sliding_window_mask(T, S, (w - 1, 0), alignment=alignment), None))
+    panels.append(
+        (
+            f"sliding window, $w = {w}$",
+            f"the {w} most recent key{'s' if w > 1 else ''}",
+            sdpa.sliding_window_mask(T, S, (w - 1, 0), alignment=alignment),
+            None,
+        )
+    )
 
     per_row = min(len(panels), 4)
     n_rows = -(-len(panels) // per_row)
@@ -1606,24 +1999,71 @@ def mask_geometry_diagram(T: int, S: int, *, window: int = 3, lengths=None):
         x_mid = side + (FULL_WIDTH - side) * (c + 0.5) / per_row
         y_top = height - MARGIN - r * row_h
         ax.text(x_mid, y_top, title, ha="center", va="top", fontsize=NAME_PT, color=INK)
-        ax.text(x_mid, y_top - _line_height(NAME_PT), subtitle, ha="center", va="top",
-                fontsize=LABEL_PT, color=INK)
+        ax.text(
+            x_mid,
+            y_top - _line_height(NAME_PT),
+            subtitle,
+            ha="center",
+            va="top",
+            fontsize=LABEL_PT,
+            color=INK,
+        )
         y0 = y_top - title_h - offset_h - grid_h
-        grid = draw_matrix(ax, x_mid - grid_w / 2, y0, (T, S), unit=cell, color=ALLOWED_COLOR,
-                           fill=1.0, masked=~np.asarray(allowed), name="keys $j$",
-                           name_at="below", shape_at=None, tag=f"mask {k}")
-        ax.text(grid.cx, grid.y0 - 0.05 - _line_height(NAME_PT), _numeric_shape((T, S)),
-                ha="center", va="top", fontsize=LABEL_PT, color=INK)
+        grid = draw_matrix(
+            ax,
+            x_mid - grid_w / 2,
+            y0,
+            (T, S),
+            unit=cell,
+            color=ALLOWED_COLOR,
+            fill=1.0,
+            masked=~np.asarray(allowed),
+            name="keys $j$",
+            name_at="below",
+            shape_at=None,
+            tag=f"mask {k}",
+        )
+        ax.text(
+            grid.cx,
+            grid.y0 - 0.05 - _line_height(NAME_PT),
+            _numeric_shape((T, S)),
+            ha="center",
+            va="top",
+            fontsize=LABEL_PT,
+            color=INK,
+        )
         if c == 0:
-            ax.text(grid.x0 - 0.08, grid.cy, "queries $i$", ha="right", va="center",
-                    rotation=90, fontsize=NAME_PT, color=INK, rotation_mode="anchor")
+            ax.text(
+                grid.x0 - 0.08,
+                grid.cy,
+                "queries $i$",
+                ha="right",
+                va="center",
+                rotation=90,
+                fontsize=NAME_PT,
+                color=INK,
+                rotation_mode="anchor",
+            )
         if offset:
             if offset > 0:  # query 0 sees keys 0 .. S - T
-                draw_bracket(ax, grid.x0, grid.x0 + offset * cell, grid.y1 + 0.04,
-                             f"$S - T = {offset}$", depth=0.05)
+                draw_bracket(
+                    ax,
+                    grid.x0,
+                    grid.x0 + offset * cell,
+                    grid.y1 + 0.04,
+                    f"$S - T = {offset}$",
+                    depth=0.05,
+                )
             else:  # the first T - S queries see no key
-                draw_bracket(ax, grid.y1 + offset * cell, grid.y1, grid.x1 + 0.04,
-                             f"$S - T = {offset}$", side="right", depth=0.05)
+                draw_bracket(
+                    ax,
+                    grid.y1 + offset * cell,
+                    grid.y1,
+                    grid.x1 + 0.04,
+                    f"$S - T = {offset}$",
+                    side="right",
+                    depth=0.05,
+                )
     role_legend(ax, [("may attend", ALLOWED_COLOR), ("masked", MASKED_COLOR)])
     return fig
 
@@ -1683,8 +2123,7 @@ def kv_cache_diagram(prompt_len: int, new_tokens: int):
     N = _positive_int(new_tokens, "new_tokens")
     n = _at_most(P + N, 32, "prompt_len + new_tokens")
 
-    left = [f"prefill: {P} queries" if P > 1 else "prefill: 1 query",
-            "at once, causal"]
+    left = [f"prefill: {P} queries" if P > 1 else "prefill: 1 query", "at once, causal"]
     steps = [f"step {k + 1}: query {P + k}" for k in range(N)]
     right = [f"cache: {_count(P + k, 'key')}, {_count(P + k, 'value')}" for k in range(N + 1)]
     left_w = max(text_size(t)[0] for t in left + steps) + 0.2
@@ -1694,7 +2133,7 @@ def kv_cache_diagram(prompt_len: int, new_tokens: int):
     bracket_h = 0.34
     axis_h = 2 * _line_height(LABEL_PT) + 0.08
     legend_h = 0.32
-    height = (MARGIN + bracket_h + P * cell + 0.22 + N * pitch + axis_h + legend_h + MARGIN)
+    height = MARGIN + bracket_h + P * cell + 0.22 + N * pitch + axis_h + legend_h + MARGIN
     width = MARGIN + left_w + n * cell + right_w + MARGIN
     legend_w = 4.4  # the three entries of the legend
     fig, ax = new_canvas(min(FULL_WIDTH, max(width, legend_w)), height)
@@ -1703,13 +2142,38 @@ def kv_cache_diagram(prompt_len: int, new_tokens: int):
     # Prefill: P queries against the P keys they write; key j > i is still in the future.
     y_pre = height - MARGIN - bracket_h - P * cell
     future = np.triu(np.ones((P, P), dtype=bool), k=1)
-    pre = draw_matrix(ax, x0, y_pre, (P, P), unit=cell, color=ALLOWED_COLOR, fill=1.0,
-                      masked=future, name_at=None, shape_at=None, min_size=cell, tag="prefill")
-    draw_bracket(ax, pre.x0, pre.x1, pre.y1 + 0.04,
-                 f"{_count(P, 'key')} and {'values' if P > 1 else 'value'} written at once",
-                 depth=0.05)
-    ax.text(pre.x0 - 0.1, pre.cy, "\n".join(left), ha="right", va="center", fontsize=LABEL_PT,
-            color=INK, linespacing=1.3)
+    pre = draw_matrix(
+        ax,
+        x0,
+        y_pre,
+        (P, P),
+        unit=cell,
+        color=ALLOWED_COLOR,
+        fill=1.0,
+        masked=future,
+        name_at=None,
+        shape_at=None,
+        min_size=cell,
+        tag="prefill",
+    )
+    draw_bracket(
+        ax,
+        pre.x0,
+        pre.x1,
+        pre.y1 + 0.04,
+        f"{_count(P, 'key')} and {'values' if P > 1 else 'value'} written at once",
+        depth=0.05,
+    )
+    ax.text(
+        pre.x0 - 0.1,
+        pre.cy,
+        "\n".join(left),
+        ha="right",
+        va="center",
+        fontsize=LABEL_PT,
+        color=INK,
+        linespacing=1.3,
+    )
     ax.text(pre.x1 + 0.1, pre.cy, right[0], ha="left", va="center", fontsize=LABEL_PT, color=INK)
 
     # Decoding: one query per step, which sees every cached key, its own new one included.
@@ -1717,23 +2181,56 @@ def kv_cache_diagram(prompt_len: int, new_tokens: int):
     for k in range(N):
         y -= pitch
         S = P + k + 1
-        row = draw_matrix(ax, x0, y + (pitch - cell) / 2, (1, S), unit=cell, color=ALLOWED_COLOR,
-                          fill=1.0, name_at=None, shape_at=None, min_size=cell, tag=f"step {k + 1}")
+        row = draw_matrix(
+            ax,
+            x0,
+            y + (pitch - cell) / 2,
+            (1, S),
+            unit=cell,
+            color=ALLOWED_COLOR,
+            fill=1.0,
+            name_at=None,
+            shape_at=None,
+            min_size=cell,
+            tag=f"step {k + 1}",
+        )
         new = _block_rect(row, (1, S), (0, 1), (S - 1, S))
         _outline(ax, new, INK, linewidth=2.0)
-        ax.text(row.x0 - 0.1, row.cy, steps[k], ha="right", va="center", fontsize=LABEL_PT,
-                color=INK)
-        ax.text(row.x1 + 0.1, row.cy, right[k + 1], ha="left", va="center", fontsize=LABEL_PT,
-                color=INK)
+        ax.text(
+            row.x0 - 0.1, row.cy, steps[k], ha="right", va="center", fontsize=LABEL_PT, color=INK
+        )
+        ax.text(
+            row.x1 + 0.1, row.cy, right[k + 1], ha="left", va="center", fontsize=LABEL_PT, color=INK
+        )
     # Key positions under the columns (every one if they fit, else every fifth).
     every = 1 if cell >= 0.17 else 5
     for j in range(0, n, every):
-        ax.text(x0 + (j + 0.5) * cell, y - 0.05, str(j), ha="center", va="top",
-                fontsize=LABEL_PT, color=INK)
-    ax.text(x0 + n * cell / 2, y - 0.05 - _line_height(LABEL_PT), "key position $j$",
-            ha="center", va="top", fontsize=LABEL_PT, color=INK)
-    role_legend(ax, [("may attend", ALLOWED_COLOR), ("masked (future key)", MASKED_COLOR),
-                     ("written this step", "white", {"edgecolor": INK, "linewidth": 2.0})])
+        ax.text(
+            x0 + (j + 0.5) * cell,
+            y - 0.05,
+            str(j),
+            ha="center",
+            va="top",
+            fontsize=LABEL_PT,
+            color=INK,
+        )
+    ax.text(
+        x0 + n * cell / 2,
+        y - 0.05 - _line_height(LABEL_PT),
+        "key position $j$",
+        ha="center",
+        va="top",
+        fontsize=LABEL_PT,
+        color=INK,
+    )
+    role_legend(
+        ax,
+        [
+            ("may attend", ALLOWED_COLOR),
+            ("masked (future key)", MASKED_COLOR),
+            ("written this step", "white", {"edgecolor": INK, "linewidth": 2.0}),
+        ],
+    )
     return fig
 
 
@@ -1791,12 +2288,18 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
     >>> [t for t in texts if t.isdigit()]  # the tiles' order: 3 query blocks x 2 key blocks
     ['1', '2', '3', '4', '5', '6']
     """
-    T, S, Bq, Bk, Dk, Dv = (_positive_int(v, n) for v, n in
-                            ((T, "T"), (S, "S"), (Bq, "Bq"), (Bk, "Bk"), (Dk, "Dk"), (Dv, "Dv")))
+    T, S, Bq, Bk, Dk, Dv = (
+        _positive_int(v, n)
+        for v, n in ((T, "T"), (S, "S"), (Bq, "Bq"), (Bk, "Bk"), (Dk, "Dk"), (Dv, "Dv"))
+    )
     if Bq > T:
-        raise ValueError(f"Bq must be at most T: a query block holds at most T rows; got Bq={Bq}, T={T}")
+        raise ValueError(
+            f"Bq must be at most T: a query block holds at most T rows; got Bq={Bq}, T={T}"
+        )
     if Bk > S:
-        raise ValueError(f"Bk must be at most S: a key block holds at most S keys; got Bk={Bk}, S={S}")
+        raise ValueError(
+            f"Bk must be at most S: a key block holds at most S keys; got Bk={Bk}, S={S}"
+        )
     n_q, n_k = -(-T // Bq), -(-S // Bk)
     _at_most(n_q, 12, "the number of query blocks T / Bq")
     _at_most(n_k, 12, "the number of key blocks S / Bk")
@@ -1847,8 +2350,9 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
         x = {}
         left_label, left_grid = side_labels
         first = order[0]
-        x[first] = x_start + max(0.0, (lab[first][0] - w[first]) / 2,
-                                 lab[left_label][0] + 0.12 - w[first] - 0.1)
+        x[first] = x_start + max(
+            0.0, (lab[first][0] - w[first]) / 2, lab[left_label][0] + 0.12 - w[first] - 0.1
+        )
         for a, b in zip(order, order[1:]):
             gap = max(0.07, (lab[a][0] + lab[b][0]) / 2 + 0.12 - (w[a] + w[b]) / 2)
             x[b] = x[a] + w[a] + gap
@@ -1858,37 +2362,81 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
 
     def layout(unit):
         """Sizes and places for one unit: slow memory on top, fast memory and the loop below."""
-        h = {k: _matrix_size(v[0], unit, column=k in upright)[1]
-             for k, v in {**slow, **fast}.items()}
+        h = {
+            k: _matrix_size(v[0], unit, column=k in upright)[1] for k, v in {**slow, **fast}.items()
+        }
         ws, xs = columns(unit, slow, ["Q", "tiles", "O", "lse"], MARGIN + pad, ("K^T", "Q"))
-        slow_right = max(xs["lse"] + ws["lse"] / 2 + lab["lse"][0] / 2,
-                         xs["O"] + ws["O"] + 0.1 + lab["V"][0]) + pad
-        wf, xf = columns(unit, fast, ["Q_i", "tile", "acc", "m", "l"], MARGIN + pad,
-                         ("K_j^T", "Q_i"))
-        fast_right = max(xf["l"] + wf["l"] / 2 + lab["l"][0] / 2,
-                         xf["acc"] + wf["acc"] + 0.1 + lab["V_j"][0]) + pad
+        slow_right = (
+            max(
+                xs["lse"] + ws["lse"] / 2 + lab["lse"][0] / 2, xs["O"] + ws["O"] + 0.1 + lab["V"][0]
+            )
+            + pad
+        )
+        wf, xf = columns(
+            unit, fast, ["Q_i", "tile", "acc", "m", "l"], MARGIN + pad, ("K_j^T", "Q_i")
+        )
+        fast_right = (
+            max(
+                xf["l"] + wf["l"] / 2 + lab["l"][0] / 2, xf["acc"] + wf["acc"] + 0.1 + lab["V_j"][0]
+            )
+            + pad
+        )
         below = max(lab[k][1] for k in ("Q", "tiles", "O", "lse")) + 0.06
-        slow_h = (title_h + max(h["K^T"], h["V"], lab["V"][1], lab["K^T"][1]) + 0.07
-                  + h["Q"] + below + pad)
+        slow_h = (
+            title_h
+            + max(h["K^T"], h["V"], lab["V"][1], lab["K^T"][1])
+            + 0.07
+            + h["Q"]
+            + below
+            + pad
+        )
         below_f = max(lab[k][1] for k in ("Q_i", "tile", "acc", "m", "l")) + 0.06
-        fast_h = (title_h + max(h["K_j^T"], h["V_j"], lab["V_j"][1], lab["K_j^T"][1]) + 0.07
-                  + h["Q_i"] + below_f + pad)
+        fast_h = (
+            title_h
+            + max(h["K_j^T"], h["V_j"], lab["V_j"][1], lab["K_j^T"][1])
+            + 0.07
+            + h["Q_i"]
+            + below_f
+            + pad
+        )
         fast_h = max(fast_h, loop_h + title_h + pad)  # the loop is written beside it
         width = max(slow_right, fast_right + 0.3 + loop_w) + MARGIN + 0.05
         height = MARGIN + slow_h + 0.55 + fast_h + MARGIN
-        return width, height, dict(ws=ws, xs=xs, slow_right=slow_right, wf=wf, xf=xf,
-                                   fast_right=fast_right, h=h, slow_h=slow_h, fast_h=fast_h,
-                                   fast_top=MARGIN + fast_h, loop_at=(fast_right + 0.3, MARGIN + fast_h))
+        return (
+            width,
+            height,
+            dict(
+                ws=ws,
+                xs=xs,
+                slow_right=slow_right,
+                wf=wf,
+                xf=xf,
+                fast_right=fast_right,
+                h=h,
+                slow_h=slow_h,
+                fast_h=fast_h,
+                fast_top=MARGIN + fast_h,
+                loop_at=(fast_right + 0.3, MARGIN + fast_h),
+            ),
+        )
 
     unit, width, height, plan = _fit_unit(layout, 0.2, FULL_WIDTH, 5.8)
     xs, xf, h = plan["xs"], plan["xf"], plan["h"]
     fig, ax = new_canvas(width, height)
 
     def panel(x_left, y_top, panel_h, right, title, color):
-        rect = draw_box(ax, x_left, y_top - panel_h, right - x_left, panel_h, None, color=color,
-                        fill=0.08, tag=title)
-        ax.text(x_left + pad, y_top - 0.05, title, ha="left", va="top", fontsize=NAME_PT,
-                color=INK)
+        rect = draw_box(
+            ax,
+            x_left,
+            y_top - panel_h,
+            right - x_left,
+            panel_h,
+            None,
+            color=color,
+            fill=0.08,
+            tag=title,
+        )
+        ax.text(x_left + pad, y_top - 0.05, title, ha="left", va="top", fontsize=NAME_PT, color=INK)
         return rect
 
     def row(items, x, y_base, top_row, blocks):
@@ -1897,40 +2445,83 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
         for k, (shape, dims, name, color) in items.items():
             if k in top_row:
                 continue
-            grids[k] = draw_matrix(ax, x[k], y_base, shape, unit=unit, color=color, name=name,
-                                   dims=dims, name_at="below", shape_at="below", tag=k,
-                                   row_blocks=blocks.get(k, (None, None))[0],
-                                   col_blocks=blocks.get(k, (None, None))[1],
-                                   linestyle="--" if k == "tiles" else "-",
-                                   fill=0.2 if k in ("tiles",) else 0.35, column=k in upright)
+            grids[k] = draw_matrix(
+                ax,
+                x[k],
+                y_base,
+                shape,
+                unit=unit,
+                color=color,
+                name=name,
+                dims=dims,
+                name_at="below",
+                shape_at="below",
+                tag=k,
+                row_blocks=blocks.get(k, (None, None))[0],
+                col_blocks=blocks.get(k, (None, None))[1],
+                linestyle="--" if k == "tiles" else "-",
+                fill=0.2 if k in ("tiles",) else 0.35,
+                column=k in upright,
+            )
         return grids
 
     # Slow memory.
-    slow_box = panel(MARGIN, height - MARGIN, plan["slow_h"], plan["slow_right"],
-                     "slow memory (HBM)", SLOW_MEMORY)
+    slow_box = panel(
+        MARGIN,
+        height - MARGIN,
+        plan["slow_h"],
+        plan["slow_right"],
+        "slow memory (HBM)",
+        SLOW_MEMORY,
+    )
     y_q = slow_box.y0 + pad + max(lab[k][1] for k in ("Q", "tiles", "O", "lse")) + 0.06
-    grids = row(slow, xs, y_q, ("K^T", "V"),
-                {"Q": (Bq, None), "tiles": (Bq, Bk), "O": (Bq, None), "lse": (Bq, None)})
+    grids = row(
+        slow,
+        xs,
+        y_q,
+        ("K^T", "V"),
+        {"Q": (Bq, None), "tiles": (Bq, Bk), "O": (Bq, None), "lse": (Bq, None)},
+    )
     floor = grids["Q"].y1 + 0.1
     for k, over, side in (("K^T", "tiles", "left"), ("V", "O", "right")):
         shape, dims, name, color = slow[k]
-        grids[k] = draw_matrix(ax, xs[over], grids[over].y1 + 0.07, shape, unit=unit, color=color,
-                               name=name, dims=dims, name_at=side, shape_at=side, tag=k,
-                               row_blocks=Bk if k == "V" else None,
-                               col_blocks=Bk if k == "K^T" else None, label_floor=floor)
+        grids[k] = draw_matrix(
+            ax,
+            xs[over],
+            grids[over].y1 + 0.07,
+            shape,
+            unit=unit,
+            color=color,
+            name=name,
+            dims=dims,
+            name_at=side,
+            shape_at=side,
+            tag=k,
+            row_blocks=Bk if k == "V" else None,
+            col_blocks=Bk if k == "K^T" else None,
+            label_floor=floor,
+        )
     # The tiles in loop order; the one being computed, and its blocks, highlighted.
     tiles = grids["tiles"]
     tile_w, tile_h = tiles.width * min(Bk, S) / S, tiles.height * min(Bq, T) / T
     numbered = min(tile_w, tile_h) >= 0.16
     for a in range(n_q):
         for b in range(n_k):
-            part = _block_rect(tiles, (T, S), (a * Bq, min(T, (a + 1) * Bq)),
-                               (b * Bk, min(S, (b + 1) * Bk)))
+            part = _block_rect(
+                tiles, (T, S), (a * Bq, min(T, (a + 1) * Bq)), (b * Bk, min(S, (b + 1) * Bk))
+            )
             if (a, b) == (i, j):
                 _highlight(ax, part, SCORES)
             if numbered:
-                ax.text(part.cx, part.cy, str(a * n_k + b + 1), ha="center", va="center",
-                        fontsize=LABEL_PT, color=INK)
+                ax.text(
+                    part.cx,
+                    part.cy,
+                    str(a * n_k + b + 1),
+                    ha="center",
+                    va="center",
+                    fontsize=LABEL_PT,
+                    color=INK,
+                )
     rows_i = (i * Bq, min(T, (i + 1) * Bq))
     cols_j = (j * Bk, min(S, (j + 1) * Bk))
     _highlight(ax, _block_rect(grids["Q"], (T, Dk), rows_i, (0, Dk)), QUERY)
@@ -1941,8 +2532,9 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
 
     # Fast memory.
     fast_h = plan["fast_h"]
-    fast_box = panel(MARGIN, plan["fast_top"], fast_h, plan["fast_right"],
-                     "fast memory (SRAM)", FAST_MEMORY)
+    fast_box = panel(
+        MARGIN, plan["fast_top"], fast_h, plan["fast_right"], "fast memory (SRAM)", FAST_MEMORY
+    )
     below_f = max(lab[k][1] for k in ("Q_i", "tile", "acc", "m", "l")) + 0.06
     content_h = max(h["K_j^T"], h["V_j"]) + 0.07 + h["Q_i"] + below_f
     y_f = fast_box.y0 + pad + below_f + max(0.0, (fast_h - title_h - pad - content_h) / 2)
@@ -1950,17 +2542,29 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
     floor_f = fgrids["Q_i"].y1 + 0.1
     for k, over, side in (("K_j^T", "tile", "left"), ("V_j", "acc", "right")):
         shape, dims, name, color = fast[k]
-        fgrids[k] = draw_matrix(ax, xf[over], fgrids[over].y1 + 0.07, shape, unit=unit,
-                                color=color, name=name, dims=dims, name_at=side, shape_at=side,
-                                tag=k, label_floor=floor_f)
+        fgrids[k] = draw_matrix(
+            ax,
+            xf[over],
+            fgrids[over].y1 + 0.07,
+            shape,
+            unit=unit,
+            color=color,
+            name=name,
+            dims=dims,
+            name_at=side,
+            shape_at=side,
+            tag=k,
+            label_floor=floor_f,
+        )
 
     # The loop.
     x_loop, y_loop = plan["loop_at"]
     ax.text(x_loop, y_loop - 0.05, "the loop", ha="left", va="top", fontsize=NAME_PT, color=INK)
     y = y_loop - title_h - 0.1
     for depth, text in loop:  # on fixed baselines, whatever the height of the maths
-        ax.text(x_loop + depth * indent, y, text, ha="left", va="baseline", fontsize=LABEL_PT,
-                color=INK)
+        ax.text(
+            x_loop + depth * indent, y, text, ha="left", va="baseline", fontsize=LABEL_PT, color=INK
+        )
         y -= loop_step
 
     # Traffic between the two memories: loads into fast memory, the results written back.
@@ -1976,8 +2580,9 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
 # 7. The backward pass as a graph
 
 
-def backward_graph_diagram(*, T: int | None = None, S: int | None = None, Dk: int | None = None,
-                           Dv: int | None = None):
+def backward_graph_diagram(
+    *, T: int | None = None, S: int | None = None, Dk: int | None = None, Dv: int | None = None
+):
     r"""The forward's stages as a graph, and the gradients flowing back through it.
 
     Top, the forward: :math:`Q, K \to Z = QK^\top/\sqrt{D_k} \to A = \mathrm{softmax}(Z) \to
@@ -2018,8 +2623,10 @@ def backward_graph_diagram(*, T: int | None = None, S: int | None = None, Dk: in
     given = [n for n, v in sizes.items() if v is not None]
     if given and len(given) < 4:
         missing = [n for n in sizes if n not in given]
-        raise ValueError(f"give all four sizes T, S, Dk, Dv or none; got {', '.join(given)} "
-                         f"without {', '.join(missing)}")
+        raise ValueError(
+            f"give all four sizes T, S, Dk, Dv or none; got {', '.join(given)} "
+            f"without {', '.join(missing)}"
+        )
     if given:
         sizes = {n: _positive_int(v, n) for n, v in sizes.items()}
     value = {"T": sizes["T"], "S": sizes["S"], "D_k": sizes["Dk"], "D_v": sizes["Dv"]}
@@ -2048,8 +2655,10 @@ def backward_graph_diagram(*, T: int | None = None, S: int | None = None, Dk: in
         "dK": (0, 3, "$dK = dZ^\\top Q/\\sqrt{D_k}$", ("S", "D_k"), GRADIENT),
     }
     texts = {k: text(f, d) for k, (_, _, f, d, _) in nodes.items()}
-    box_size = {k: (text_size(t, LABEL_PT)[0] + 0.18,
-                    text_size(t, LABEL_PT)[1] + 0.1) for k, t in texts.items()}
+    box_size = {
+        k: (text_size(t, LABEL_PT)[0] + 0.18, text_size(t, LABEL_PT)[1] + 0.1)
+        for k, t in texts.items()
+    }
     col_w = [max(box_size[k][0] for k, n in nodes.items() if n[0] == c) for c in range(4)]
     band_h = [max(box_size[k][1] for k, n in nodes.items() if n[1] == b) for b in range(5)]
     free = FULL_WIDTH - 2 * MARGIN - sum(col_w)
@@ -2063,8 +2672,18 @@ def backward_graph_diagram(*, T: int | None = None, S: int | None = None, Dk: in
     boxes = {}
     for k, (c, b, _, _, color) in nodes.items():
         w, h = box_size[k]
-        boxes[k] = draw_box(ax, col_x[c] - w / 2, band_y[b] - h / 2, w, h, texts[k], color=color,
-                            fill=0.15 if color == GRADIENT else 0.3, fontsize=LABEL_PT, tag=k)
+        boxes[k] = draw_box(
+            ax,
+            col_x[c] - w / 2,
+            band_y[b] - h / 2,
+            w,
+            h,
+            texts[k],
+            color=color,
+            fill=0.15 if color == GRADIENT else 0.3,
+            fontsize=LABEL_PT,
+            tag=k,
+        )
 
     def link(a, b, color, start="right", end="left"):
         p0 = getattr(boxes[a], start)
@@ -2086,8 +2705,7 @@ def backward_graph_diagram(*, T: int | None = None, S: int | None = None, Dk: in
     link("delta", "dZ", g, "left", "top")
     link("dZ", "dK", g, "left", "right")
     link("dZ", "dQ", g, "bottom", "right")
-    role_legend(ax, [("forward", INK, {"line": True}),
-                     ("backward: gradients", g, {"line": True})])
+    role_legend(ax, [("forward", INK, {"line": True}), ("backward: gradients", g, {"line": True})])
     return fig
 
 
@@ -2099,14 +2717,25 @@ def _plus(ax, x: float, y: float, r: float = 0.1, tag: str | None = None):
     """The ⊕ where a sublayer's output is added back to the residual stream."""
     from matplotlib.patches import Circle
 
-    _add(ax, Circle((x, y), r, facecolor="white", edgecolor=INK, linewidth=1.3, zorder=3,
-                        label=f"_add {tag}" if tag else None))
+    _add(
+        ax,
+        Circle(
+            (x, y),
+            r,
+            facecolor="white",
+            edgecolor=INK,
+            linewidth=1.3,
+            zorder=3,
+            label=f"_add {tag}" if tag else None,
+        ),
+    )
     _segment(ax, [x - r * 0.6, x + r * 0.6], [y, y], color=INK, linewidth=1.3, zorder=4)
     _segment(ax, [x, x], [y - r * 0.6, y + r * 0.6], color=INK, linewidth=1.3, zorder=4)
 
 
-def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False,
-                              T: int | None = None, E: int | None = None):
+def transformer_block_diagram(
+    *, norm: str = "pre", attention_only: bool = False, T: int | None = None, E: int | None = None
+):
     r"""A transformer block as sublayers reading from and adding to the residual stream.
 
     The residual stream (thick line) carries ``(T, E)`` from left to right. Pre-norm
@@ -2184,18 +2813,30 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
     stretch = min(0.5, max(-0.14, spare / (1.5 * len(sub) + 1)))
     width = min(FULL_WIDTH, stream_end(stretch) + out_w + MARGIN)
     title_h = _line_height(NAME_PT) + 0.1
-    height = MARGIN + title_h + box_h + 0.45 + 0.25 + len(end_lines) * _line_height(LABEL_PT) + MARGIN
+    height = (
+        MARGIN + title_h + box_h + 0.45 + 0.25 + len(end_lines) * _line_height(LABEL_PT) + MARGIN
+    )
     fig, ax = new_canvas(width, height)
 
-    title = ("pre-norm: each sublayer normalises a copy of the stream" if norm == "pre"
-             else "post-norm (original Transformer): the stream itself is normalised")
+    title = (
+        "pre-norm: each sublayer normalises a copy of the stream"
+        if norm == "pre"
+        else "post-norm (original Transformer): the stream itself is normalised"
+    )
     ax.text(MARGIN, height - MARGIN, title, ha="left", va="top", fontsize=NAME_PT, color=INK)
     y_s = MARGIN + _stack_size([(t, NAME_PT) for t in end_lines])[1] + 0.2  # the stream
     y_box = y_s + 0.45  # bottom of the sublayer boxes
     x = MARGIN + end_w
     for i, t in enumerate(end_lines):  # under the start of the stream
-        ax.text(x, y_s - 0.1 - i * _line_height(NAME_PT), t, ha="left", va="top",
-                fontsize=LABEL_PT if i else NAME_PT, color=INK)
+        ax.text(
+            x,
+            y_s - 0.1 - i * _line_height(NAME_PT),
+            t,
+            ha="left",
+            va="top",
+            fontsize=LABEL_PT if i else NAME_PT,
+            color=INK,
+        )
     for n, (key, text, color) in enumerate(sub):
         x += 0.25 + stretch
         branch = x
@@ -2203,8 +2844,17 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
         _segment(ax, [branch, branch], [y_s, y_box + box_h / 2], color=INK, linewidth=1.3)
         _segment(ax, [branch, x_box], [y_box + box_h / 2] * 2, color=INK, linewidth=1.3)
         if norm == "pre":
-            ln = draw_box(ax, x_box, y_box, ln_w, box_h, "LayerNorm", color=NEUTRAL, fill=0.1,
-                          tag=f"norm {n + 1}")
+            ln = draw_box(
+                ax,
+                x_box,
+                y_box,
+                ln_w,
+                box_h,
+                "LayerNorm",
+                color=NEUTRAL,
+                fill=0.1,
+                tag=f"norm {n + 1}",
+            )
             x_box = ln.x1 + 0.15 + stretch / 2
             draw_arrow(ax, ln.right, (x_box, ln.cy))
         box = draw_box(ax, x_box, y_box, sub_w[key], box_h, text, color=color, fill=0.25, tag=key)
@@ -2215,17 +2865,48 @@ def transformer_block_diagram(*, norm: str = "pre", attention_only: bool = False
         x = x_add + r
         if norm == "post":
             x += 0.2 + stretch / 2
-            draw_box(ax, x, y_s - box_h / 4, ln_w, box_h / 2, "LayerNorm", color=NEUTRAL,
-                     fill=0.1, tag=f"norm {n + 1}")
+            draw_box(
+                ax,
+                x,
+                y_s - box_h / 4,
+                ln_w,
+                box_h / 2,
+                "LayerNorm",
+                color=NEUTRAL,
+                fill=0.1,
+                tag=f"norm {n + 1}",
+            )
             x += ln_w
     x_end = x + 0.3 + stretch
-    _segment(ax, [MARGIN + end_w, x_end], [y_s, y_s], color=_mix(OUTPUT, 0.8, "black"), linewidth=3.0,
-            zorder=0.5, solid_capstyle="butt")
-    draw_arrow(ax, (x_end - 0.2, y_s), (x_end, y_s), color=_mix(OUTPUT, 0.8, "black"),
-               linewidth=1.5)
+    _segment(
+        ax,
+        [MARGIN + end_w, x_end],
+        [y_s, y_s],
+        color=_mix(OUTPUT, 0.8, "black"),
+        linewidth=3.0,
+        zorder=0.5,
+        solid_capstyle="butt",
+    )
+    draw_arrow(
+        ax, (x_end - 0.2, y_s), (x_end, y_s), color=_mix(OUTPUT, 0.8, "black"), linewidth=1.5
+    )
     for i, t in enumerate(out_lines):  # under its end
-        ax.text(x_end, y_s - 0.1 - i * _line_height(NAME_PT), t, ha="right", va="top",
-                fontsize=LABEL_PT if i else NAME_PT, color=INK)
-    ax.text((MARGIN + end_w + x_end) / 2, y_s - 0.22, "residual stream", ha="center", va="top",
-            fontsize=LABEL_PT, color=INK)
+        ax.text(
+            x_end,
+            y_s - 0.1 - i * _line_height(NAME_PT),
+            t,
+            ha="right",
+            va="top",
+            fontsize=LABEL_PT if i else NAME_PT,
+            color=INK,
+        )
+    ax.text(
+        (MARGIN + end_w + x_end) / 2,
+        y_s - 0.22,
+        "residual stream",
+        ha="center",
+        va="top",
+        fontsize=LABEL_PT,
+        color=INK,
+    )
     return fig

@@ -27,9 +27,7 @@ def _is_rich(value) -> bool:
     """Figures and objects with a rich (HTML, Markdown, image) representation."""
     if type(value).__name__ == "Figure" and hasattr(value, "savefig"):
         return True
-    return any(
-        hasattr(value, f"_repr_{kind}_") for kind in ("html", "markdown", "png", "svg")
-    )
+    return any(hasattr(value, f"_repr_{kind}_") for kind in ("html", "markdown", "png", "svg"))
 
 
 def glue(name: str, value, display: bool = False) -> None:

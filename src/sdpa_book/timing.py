@@ -45,7 +45,9 @@ def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
     return min(times)
 
 
-def loglog_slope(sizes: Sequence[float], values: Sequence[float], *, last: int | None = None) -> float:
+def loglog_slope(
+    sizes: Sequence[float], values: Sequence[float], *, last: int | None = None
+) -> float:
     """The least-squares slope of ``log(values)`` against ``log(sizes)``.
 
     A cost that grows like ``n ** p`` has slope ``p``. ``last`` keeps only the last points,
@@ -66,9 +68,7 @@ def loglog_slope(sizes: Sequence[float], values: Sequence[float], *, last: int |
     x = np.asarray(sizes, dtype=float)
     y = np.asarray(values, dtype=float)
     if x.shape != y.shape or x.ndim != 1:
-        raise ValueError(
-            f"sizes and values must be 1-D of one length; got {x.shape} and {y.shape}"
-        )
+        raise ValueError(f"sizes and values must be 1-D of one length; got {x.shape} and {y.shape}")
     if last is not None:
         x, y = x[-last:], y[-last:]
     if x.size < 2:

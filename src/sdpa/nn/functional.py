@@ -23,8 +23,8 @@ from numbers import Integral, Real
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._checks import as_float_array, check_nonneg_int, compute_dtype
 from .. import log_softmax, softmax
+from .._checks import as_float_array, check_nonneg_int, compute_dtype
 
 __all__ = [
     "cross_entropy",
@@ -69,8 +69,9 @@ def _check_features(x: np.ndarray, name: str) -> int:
 
 def _check_vector(a: np.ndarray | None, name: str, size: int, of: str) -> None:
     if a is not None and a.shape != (size,):
-        raise ValueError(f"{name} must have shape ({size},), the last axis of {of}; "
-                         f"got {name}.shape={a.shape}")
+        raise ValueError(
+            f"{name} must have shape ({size},), the last axis of {of}; got {name}.shape={a.shape}"
+        )
 
 
 def _check_grad_shape(d_y: np.ndarray, shape: tuple[int, ...], what: str) -> None:
@@ -95,8 +96,13 @@ def _check_approximate(approximate) -> str:
     return approximate
 
 
-def _check_indices(indices: ArrayLike, name: str, shape: tuple[int, ...], size: int,
-                   ignore_index: int | None = None) -> np.ndarray:
+def _check_indices(
+    indices: ArrayLike,
+    name: str,
+    shape: tuple[int, ...],
+    size: int,
+    ignore_index: int | None = None,
+) -> np.ndarray:
     """Integer indices of the given shape, each in ``[0, size)`` or equal to ``ignore_index``."""
     idx = np.asarray(indices)
     if idx.dtype.kind not in "iu":

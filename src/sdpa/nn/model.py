@@ -20,12 +20,11 @@ heads, ``Hkv`` key/value heads, ``Dk`` head width (``E / Hq``), ``F`` MLP width 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._checks import check_nonneg_int, check_rng
 from .. import (  # the public attention API of sdpa, which this model is built on
     KVCache,
     apply_rotary_embedding,
@@ -36,6 +35,7 @@ from .. import (  # the public attention API of sdpa, which this model is built 
     softmax,
     split_heads,
 )
+from .._checks import check_nonneg_int, check_rng
 from .functional import (
     cross_entropy,
     cross_entropy_backward,
@@ -393,8 +393,14 @@ class DecoderLM:
             h = self._norm(x, p + "attn_norm")
             q, k, v = self._qkv(i, h, 0)
             result = scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=gqa, implementation=ATTENTION,
-                return_weights=return_attention, return_lse=keep,
+                q,
+                k,
+                v,
+                is_causal=True,
+                enable_gqa=gqa,
+                implementation=ATTENTION,
+                return_weights=return_attention,
+                return_lse=keep,
             )  # (B, Hq, T, Dk), then the weights (B, Hq, T, T) and lse (B, Hq, T) if asked
             out = result[0] if isinstance(result, tuple) else result
             if return_attention:
@@ -565,8 +571,15 @@ class DecoderLM:
         )
         d_out = split_heads(d_heads, self.n_heads)  # (B, T, Hq Dk) -> (B, Hq, T, Dk)
         d_q, d_k, d_v = scaled_dot_product_attention_backward(
-            d_out, c.q, c.k, c.v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
-            out=c.out, lse=c.lse, implementation=ATTENTION,
+            d_out,
+            c.q,
+            c.k,
+            c.v,
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+            out=c.out,
+            lse=c.lse,
+            implementation=ATTENTION,
         )
         if self.positional == "rope":  # the transpose of a rotation is the opposite rotation
             back = -np.arange(c.q.shape[2])
@@ -683,8 +696,14 @@ class DecoderLM:
         if n_new == 0:
             return out[0] if one_d else out
         if use_cache:
-            cache = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, batch_size=B,
-                            dtype=self.dtype, capacity=T0 + n_new)
+            cache = KVCache(
+                self.n_layers,
+                self.n_kv_heads,
+                self.head_dim,
+                batch_size=B,
+                dtype=self.dtype,
+                capacity=T0 + n_new,
+            )
             logits = self._forward_cached(tokens, cache, 0)[:, -1]  # prefill: the whole prompt
         else:
             logits = self._forward(tokens, keep=False, return_attention=False)[0][:, -1]

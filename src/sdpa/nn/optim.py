@@ -11,8 +11,9 @@ import numpy as np
 __all__ = ["AdamW"]
 
 
-def _check_real(value, name: str, *, low: float, high: float | None = None,
-                high_open: bool = False) -> float:
+def _check_real(
+    value, name: str, *, low: float, high: float | None = None, high_open: bool = False
+) -> float:
     """A finite real number in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number; got {value!r}")
