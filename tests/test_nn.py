@@ -389,13 +389,13 @@ def test_grad_shape_must_match():
 
 
 def test_eps_must_be_real():
-    with pytest.raises(TypeError, match="eps must be a real number; got '1e-5'"):
+    with pytest.raises(TypeError, match="eps must be a positive, finite real number; got '1e-5'"):
         nn.layer_norm(np.ones(3), np.ones(3), np.zeros(3), eps="1e-5")
 
 
 @pytest.mark.parametrize("eps", [0.0, -1e-5, math.inf])
 def test_eps_must_be_positive_and_finite(eps):
-    with pytest.raises(ValueError, match="eps must be a positive finite number"):
+    with pytest.raises(ValueError, match="eps must be a positive, finite real number"):
         nn.rms_norm(np.ones(3), np.ones(3), eps=eps)
 
 

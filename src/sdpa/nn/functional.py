@@ -18,13 +18,13 @@ are computed in float64. Inputs are never modified.
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
+from numbers import Integral
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from .. import log_softmax, softmax
-from .._checks import as_float_array, check_nonneg_int, compute_dtype
+from .._checks import as_float_array, check_nonneg_int, check_real, compute_dtype
 
 __all__ = [
     "cross_entropy",
@@ -83,11 +83,9 @@ def _check_grad_shape(d_y: np.ndarray, shape: tuple[int, ...], what: str) -> Non
 
 
 def _check_eps(eps) -> float:
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, Real):
-        raise TypeError(f"eps must be a real number; got {eps!r}")
-    if not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a positive finite number; got {eps!r}")
-    return float(eps)
+    return check_real(
+        eps, "eps", "a positive, finite real number", lambda x: math.isfinite(x) and x > 0
+    )
 
 
 def _check_approximate(approximate) -> str:
