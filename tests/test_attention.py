@@ -12,13 +12,13 @@ import math
 
 import numpy as np
 import pytest
+from cases import DK, DV, MASK_SHAPES, B, H, S, T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from references import attention_loop, attention_loop_2d
 
 from sdpa import causal_mask, padding_mask, scaled_dot_product_attention, sliding_window_mask
 
-B, H, T, S, DK, DV = 2, 3, 5, 7, 11, 4
 RAISE_ON_TROUBLE = dict(over="raise", invalid="raise", divide="raise")
 F64 = dict(rtol=1e-12, atol=1e-13)  # float64 against the float64 loop reference
 
@@ -151,21 +151,6 @@ def test_window_equals_sliding_window_mask(rng):
 
 
 # --- masks ---------------------------------------------------------------------------------
-
-MASK_SHAPES = [
-    (S,),
-    (T, S),
-    (1, S),
-    (T, 1),
-    (1, T, 1),
-    (H, 1, S),
-    (B, 1, 1, S),
-    (B, H, T, S),
-    (B, 1, T, S),
-    (1, 1, 1, 1),
-    (H, T, S),
-    (B, H, 1, 1),
-]
 
 
 def random_mask(rng, shape, kind):

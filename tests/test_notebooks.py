@@ -21,16 +21,13 @@ except under ``SDPA_REQUIRE_REFERENCES=1`` (CI), where they fail.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import hashlib
-import http.server
 import io
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import zipfile
@@ -38,6 +35,7 @@ from pathlib import Path
 from urllib.parse import urljoin
 
 import pytest
+from site_server import serve
 
 pytestmark = [pytest.mark.site, pytest.mark.slow]
 
@@ -95,24 +93,13 @@ def _skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
-        pass
-
-
 @pytest.fixture(scope="module")
 def server():
     """Serve the site on 127.0.0.1 on a free port while this module runs."""
     if not (SITE / "index.html").exists():
         _skip_or_fail(f"the site is not built: no {SITE / 'index.html'}; run `make html` first")
-    handler = functools.partial(_QuietHandler, directory=str(SITE))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    with serve(SITE) as base:
+        yield f"{base}/"
 
 
 def _get(url: str) -> bytes:

@@ -21,15 +21,13 @@ tests skip, except under ``SDPA_REQUIRE_REFERENCES=1`` (CI), where they fail.
 from __future__ import annotations
 
 import asyncio
-import functools
-import http.server
 import os
 import re
-import threading
 from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
 import pytest
+from site_server import serve
 
 pytestmark = pytest.mark.browser
 
@@ -293,22 +291,11 @@ async def _crawl(mode: str, base: str, pages: list[str]) -> dict[str, list[str]]
     return dict(zip(pages, found))
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
-        pass
-
-
 @pytest.fixture(scope="module")
 def server():
     """Serve the site on 127.0.0.1 on a free port while this module runs."""
-    handler = functools.partial(_QuietHandler, directory=str(SITE))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    with serve(SITE) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

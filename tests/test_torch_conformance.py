@@ -29,12 +29,12 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import DK, DV, MASK_SHAPES, B, H, S, T
 
 from sdpa import MultiHeadAttention, causal_mask, padding_mask, scaled_dot_product_attention
 
 pytestmark = pytest.mark.torch
 
-B, H, T, S, DK, DV = 2, 3, 5, 7, 11, 4
 TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-12, atol=1e-13)}
 
 
@@ -148,22 +148,6 @@ def test_sdpa_grid(torch, name, causal, mask_kind, dtype, rng):
 
     assert ours.dtype == dtype and ours.shape == theirs.shape
     np.testing.assert_allclose(ours, theirs, **TOL[dtype])
-
-
-MASK_SHAPES = [
-    (S,),
-    (T, S),
-    (1, S),
-    (T, 1),
-    (1, T, 1),
-    (H, 1, S),
-    (B, 1, 1, S),
-    (B, H, T, S),
-    (B, 1, T, S),
-    (1, 1, 1, 1),
-    (H, T, S),
-    (B, H, 1, 1),
-]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])

@@ -63,6 +63,13 @@ def _frozen(a) -> np.ndarray:
     return arr
 
 
+def _projected(tokens, *, X, W_q, W_k, W_v) -> WorkedExample:
+    """A worked example given by its embeddings and projections; ``Q = X W_q`` and so on."""
+    X, W_q, W_k, W_v = (_frozen(a) for a in (X, W_q, W_k, W_v))
+    Q, K, V = (_frozen(X @ W) for W in (W_q, W_k, W_v))
+    return WorkedExample(tokens=tuple(tokens), X=X, Q=Q, K=K, V=V, W_q=W_q, W_k=W_k, W_v=W_v)
+
+
 def the_cat_sleeps() -> WorkedExample:
     """ "The cat sleeps.": three tokens with 2-D integer embeddings and 2 x 2 projections.
 
@@ -88,19 +95,12 @@ def the_cat_sleeps() -> WorkedExample:
     >>> ex.Q[1] @ ex.K.T  # raw scores of "cat"
     array([1, 1, 2])
     """
-    X = _frozen([[1, 0], [0, 1], [1, 1]])
-    W_q = _frozen([[1, 0], [0, 1]])
-    W_k = _frozen([[1, 1], [0, 1]])
-    W_v = _frozen([[1, 0], [0, 2]])
-    return WorkedExample(
-        tokens=("The", "cat", "sleeps"),
-        X=X,
-        Q=_frozen(X @ W_q),
-        K=_frozen(X @ W_k),
-        V=_frozen(X @ W_v),
-        W_q=W_q,
-        W_k=W_k,
-        W_v=W_v,
+    return _projected(
+        ("The", "cat", "sleeps"),
+        X=[[1, 0], [0, 1], [1, 1]],
+        W_q=[[1, 0], [0, 1]],
+        W_k=[[1, 1], [0, 1]],
+        W_v=[[1, 0], [0, 2]],
     )
 
 
@@ -189,7 +189,7 @@ def the_dog_near_the_cats() -> WorkedExample:
     0.937
     """
     #       noun pron verb func sing plur dog cat
-    X = _frozen(
+    X = np.array(
         [
             [0, 0, 0, 1, 0, 0, 0, 0],  # the
             [1, 0, 0, 0, 1, 0, 1, 0],  # dog
@@ -198,9 +198,10 @@ def the_dog_near_the_cats() -> WorkedExample:
             [1, 0, 0, 0, 0, 1, 0, 1],  # cats
             [0, 0, 1, 0, 1, 0, 0, 0],  # barks
             [0, 0, 0, 1, 0, 0, 0, 0],  # at
-            [0, 1, 0, 0, 0, 1, 0, 0],
-        ]  # them
-    ).astype(float)
+            [0, 1, 0, 0, 0, 1, 0, 0],  # them
+        ],
+        dtype=float,
+    )
     W_q = np.zeros((8, 3))  # slots: noun, singular, plural
     W_q[[1, 2], 0] = 6.0  # pronouns and verbs look for a noun ...
     W_q[[4, 5], [1, 2]] = 6.0  # ... of their own number
@@ -208,14 +209,5 @@ def the_dog_near_the_cats() -> WorkedExample:
     W_k[[0, 4, 5], [0, 1, 2]] = 1.0  # a key says: noun, singular, plural
     W_v = np.zeros((8, 2))
     W_v[[6, 7], [0, 1]] = 1.0  # a value carries the meaning: dog, cat
-    W_q, W_k, W_v = _frozen(W_q), _frozen(W_k), _frozen(W_v)
-    return WorkedExample(
-        tokens=("the", "dog", "near", "the", "cats", "barks", "at", "them"),
-        X=_frozen(X),
-        Q=_frozen(X @ W_q),
-        K=_frozen(X @ W_k),
-        V=_frozen(X @ W_v),
-        W_q=W_q,
-        W_k=W_k,
-        W_v=W_v,
-    )
+    tokens = ("the", "dog", "near", "the", "cats", "barks", "at", "them")
+    return _projected(tokens, X=X, W_q=W_q, W_k=W_k, W_v=W_v)
