@@ -9,13 +9,11 @@ weights as ``P``, ``p_{ij}`` or ``w_{ij}`` (they are ``A``, ``a_{ij}``), the bac
 as ``D_i`` (it is ``\\delta_i``), and, in code, a gradient or a width named ``d_k``/``d_v``.
 
 A paragraph that quotes another work's notation on purpose (to translate it) is preceded by a
-MyST comment line ``% notation: quoting <work>``; the check skips that paragraph. Pages listed in
-``tests/pages-not-yet-rewritten.txt`` may still fail (``SDPA_PAGES_STRICT=1`` checks them too).
+MyST comment line ``% notation: quoting <work>``; the check skips that paragraph.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -26,13 +24,6 @@ BOOK = ROOT / "book"
 SOURCES = sorted(
     p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts
 )
-
-NOT_YET_CONVERTED = {
-    line.strip()
-    for line in (Path(__file__).parent / "pages-not-yet-rewritten.txt").read_text().splitlines()
-    if line.strip() and not line.startswith("#")
-}
-STRICT = os.environ.get("SDPA_PAGES_STRICT") == "1"
 
 MATH_RULES = [
     (
@@ -117,14 +108,8 @@ def code_problems(text: str) -> list[str]:
 
 
 def _pages() -> list:
-    params = []
-    for path in SOURCES:
-        page = path.relative_to(BOOK).as_posix()
-        marks = []
-        if page in NOT_YET_CONVERTED and not STRICT:
-            marks = [pytest.mark.xfail(reason="page not yet rewritten (issue 11)", strict=False)]
-        params.append(pytest.param(page, marks=marks, id=page))
-    return params
+    pages = [path.relative_to(BOOK).as_posix() for path in SOURCES]
+    return [pytest.param(page, id=page) for page in pages]
 
 
 @pytest.mark.parametrize("page", _pages())

@@ -13,10 +13,6 @@ Two sources are checked:
 The site checks skip when the site is not built (``make html``), except under
 ``SDPA_REQUIRE_REFERENCES=1`` (CI), where they fail.
 
-Pages still waiting for their rewrite are listed in ``NOT_YET_CONVERTED``: their page checks are
-allowed to fail (a non-strict ``xfail``, since some checks pass on them already); the list is
-emptied as the rewritten pages land.
-``SDPA_PAGES_STRICT=1`` ignores the list, to check a page while rewriting it.
 """
 
 from __future__ import annotations
@@ -45,14 +41,6 @@ MIN_ASSERTIONS = 367
 # Pages with no "On this page" box: the landing page and reference pages that are lists.
 NO_OVERVIEW = {"index.md", "appendix/api.md", "appendix/bibliography.md", "appendix/glossary.md"}
 
-# Pages whose rewrite (issues 10-12) has not landed yet, one per line; emptied as they land.
-NOT_YET_CONVERTED = {
-    line.strip()
-    for line in (Path(__file__).parent / "pages-not-yet-rewritten.txt").read_text().splitlines()
-    if line.strip() and not line.startswith("#")
-}
-STRICT = os.environ.get("SDPA_PAGES_STRICT") == "1"
-
 SOURCES = sorted(
     p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts
 )
@@ -63,19 +51,10 @@ def _rel(path: Path) -> str:
 
 
 def _pages(exclude=frozenset()) -> list:
-    """Source pages as test parameters; those not yet rewritten are expected to fail."""
-    params = []
-    for path in SOURCES:
-        page = _rel(path)
-        if page in exclude:
-            continue
-        marks = []
-        if page in NOT_YET_CONVERTED and not STRICT:
-            marks = [
-                pytest.mark.xfail(reason="page not yet rewritten (issues 10-12)", strict=False)
-            ]
-        params.append(pytest.param(page, marks=marks, id=page))
-    return params
+    """Source pages as test parameters, named by their path under ``book/``."""
+    return [
+        pytest.param(_rel(path), id=_rel(path)) for path in SOURCES if _rel(path) not in exclude
+    ]
 
 
 def _code_cells(text: str) -> list[tuple[list[str], str]]:
