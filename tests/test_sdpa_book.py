@@ -43,6 +43,21 @@ def test_glue_in_the_build_uses_myst_nb(monkeypatch):
     assert calls == [("n", 3, False)]
 
 
+@pytest.mark.parametrize("text", ["100,663,296", "5, 7, 24, 4, 6", "1e3", "0.10", "(T, Dk)"])
+def test_glued_plain_text_reads_back_unchanged_in_the_prose(monkeypatch, text):
+    # The prose shows what MyST-NB's {glue:text} makes of the value's text/plain form.
+    myst_nb = pytest.importorskip("myst_nb")
+    from IPython.core.formatters import PlainTextFormatter
+    from myst_nb.core.variables import format_plain_text
+
+    calls = []
+    monkeypatch.setenv(BUILD_ENV, "1")
+    monkeypatch.setattr(myst_nb, "glue", lambda name, value, display: calls.append(value))
+    glue("t", Plain(text))
+    (stored,) = calls
+    assert format_plain_text(PlainTextFormatter()(stored), "") == text
+
+
 def test_glue_rejects_a_bad_name():
     with pytest.raises(TypeError, match="name must be a non-empty str; got 3"):
         glue(3, 1.0)

@@ -64,6 +64,10 @@ def glue(name: str, value, display: bool = False) -> None:
     if _in_book_build():
         from myst_nb import glue as myst_glue
 
+        if isinstance(value, Plain):
+            # MyST-NB reads a glued text back with ``ast.literal_eval``, which would turn
+            # "100,663,296" into a tuple; a str's repr reads back as the str itself.
+            value = value.text
         myst_glue(name, value, display=display)
     elif display or _is_rich(value):
         from IPython.display import display as show
@@ -72,7 +76,11 @@ def glue(name: str, value, display: bool = False) -> None:
 
 
 class Plain:
-    """A text that shows as itself when glued (a glued ``str`` would show with quotes).
+    """A text that shows as itself: in a cell's output without quotes, in the prose exactly.
+
+    MyST-NB reads a glued value's text back as a Python literal, so a glued ``"100,663,296"``
+    written as plain text would come out as the tuple ``(100, 663, 296)``; :func:`glue` hands
+    MyST-NB a ``Plain``'s text as a string, which reads back unchanged.
 
     Examples
     --------
