@@ -6,7 +6,9 @@ that used to occur: ``S`` as a matrix or a state (it is only the key length), ``
 for the head widths in maths (they are ``D_k``, ``D_v``), ``\\ell`` for the log-sum-exp (it is
 only the online softmax's running normaliser; the log-sum-exp is ``\\operatorname{lse}``), the
 weights as ``P``, ``p_{ij}`` or ``w_{ij}`` (they are ``A``, ``a_{ij}``), the backward's row term
-as ``D_i`` (it is ``\\delta_i``), and, in code, a gradient or a width named ``d_k``/``d_v``.
+as ``D_i`` (it is ``\\delta_i``), a Kronecker delta ``\\delta_{jl}`` (it is
+``\\mathbb{1}_{j=l}``), the sinusoidal frequencies as ``\\omega_i`` (they are RoPE's
+``\\theta_c``), and, in code, a gradient or a width named ``d_k``/``d_v``.
 
 A paragraph that quotes another work's notation on purpose (to translate it) is preceded by a
 MyST comment line ``% notation: quoting <work>``; the check skips that paragraph.
@@ -49,6 +51,14 @@ MATH_RULES = [
     (
         re.compile(r"(?<![\w\\])D_\{?i\}?(?![\w])"),
         "the backward's row term is \\delta_i (D_i is another work's name)",
+    ),
+    (
+        re.compile(r"\\delta_\{\s*[a-z]\s*,?\s*[a-z]\s*\}"),
+        "the Kronecker delta is written \\mathbb{1}_{j=l} (\\delta_i is the backward's row term)",
+    ),
+    (
+        re.compile(r"\\omega_"),
+        "the sinusoidal table's and RoPE's frequencies are \\theta_c, for the pair of features c",
     ),
 ]
 CODE_RULE = (
@@ -130,6 +140,8 @@ def test_page_follows_the_notation(page):
         (r"$P = \operatorname{softmax}(Z)$", "entries a_ij"),
         (r"$w_{ij}$", "entries a_ij"),
         (r"$D_i = do_i \cdot o_i$", "delta_i"),
+        (r"$a_j (\delta_{jl} - a_l)$", "Kronecker delta"),
+        (r"$\sin(\omega_i t)$", "theta_c"),
     ],
 )
 def test_the_rules_catch_each_collision(maths, expect):
@@ -148,6 +160,9 @@ def test_the_rules_catch_each_collision(maths, expect):
         r"$D_k$, $D_v$",
         r"$\operatorname{lse}_i = \log \sum_j e^{z_{ij}}$",
         r"$\delta_i$",
+        r"$\delta_{i}$",
+        r"$a_j (\mathbb{1}_{j=l} - a_l)$",
+        r"$\sin(\theta_c t)$",
         r"$Z = QK^\top/\sqrt{D_k}$",
     ],
 )
