@@ -43,7 +43,9 @@ def test_glue_in_the_build_uses_myst_nb(monkeypatch):
     assert calls == [("n", 3, False)]
 
 
-@pytest.mark.parametrize("text", ["100,663,296", "5, 7, 24, 4, 6", "1e3", "0.10", "(T, Dk)"])
+@pytest.mark.parametrize(
+    "text", ["100,663,296", "5, 7, 24, 4, 6", "1e3", "0.10", "(T, Dk)", np.str_("verb")]
+)
 def test_glued_plain_text_reads_back_unchanged_in_the_prose(monkeypatch, text):
     # The prose shows what MyST-NB's {glue:text} makes of the value's text/plain form.
     myst_nb = pytest.importorskip("myst_nb")

@@ -92,7 +92,7 @@ class Plain:
     def __init__(self, text: str):
         if not isinstance(text, str):
             raise TypeError(f"text must be a str; got {type(text).__name__}")
-        self.text = text
+        self.text = str(text)  # a plain str, also for NumPy's str_ (whose repr names it)
 
     def __repr__(self) -> str:
         return self.text
