@@ -31,6 +31,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from docutils import nodes
+
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "book" / "_ext"))  # the book's own extension: sdpa_notebooks
 
@@ -294,6 +296,20 @@ def write_api_reference(app, docname, source) -> None:
         source[0] = source[0].replace(API_MARKER, api_reference_markdown())
 
 
+def break_autosummary_signatures(app, doctree, docname) -> None:
+    """Let the API summary's signatures wrap between arguments, not inside a name.
+
+    Autosummary joins arguments with no-break spaces, so a signature is one long word that a
+    narrow column can only split mid-identifier ("h / ead_dim").
+    """
+    for table in doctree.findall(nodes.table):
+        if "autosummary" not in table.get("classes", []):
+            continue
+        for text in list(table.findall(nodes.Text)):
+            if "\xa0" in text:
+                text.parent.replace(text, nodes.Text(str(text).replace("\xa0", " ")))
+
+
 def setup(app):
     app.connect("source-read", write_api_reference)
     app.connect("source-read", write_reading_times)
@@ -303,6 +319,7 @@ def setup(app):
     app.connect("config-inited", key_execution_cache)
     app.connect("builder-inited", check_mathjax)
     app.connect("build-finished", copy_mathjax)
+    app.connect("doctree-resolved", break_autosummary_signatures)
     # Formulas in headings appear in the navigation of every page, so load MathJax everywhere.
     app.set_html_assets_policy("always")
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -857,6 +857,23 @@ def test_flash_loop_numbers_the_tiles_in_loop_order():
         assert tiles.y1 - (i + 1) * tiles.height / 3 < y < tiles.y1 - i * tiles.height / 3
 
 
+def test_flash_loop_numbers_only_tiles_they_fit_in():
+    # S = 11 with blocks of 5: the last key block is one key wide, too narrow for its numbers.
+    T, S, Bq, Bk = 6, 11, 2, 5
+    fig = build("flash_loop_diagram", T, S, Bq, Bk, 3, 2)
+    ax, tiles = fig.axes[0], dg.tagged_rects(fig)["tiles"]
+    fig.canvas.draw()
+    to_data = ax.transData.inverted()
+    numbers = [t for t in ax.texts if t.get_text().isdigit()]
+    # the full-width columns j = 0, 1 are numbered, the narrow column j = 2 is not
+    assert sorted(int(t.get_text()) for t in numbers) == [1, 2, 4, 5, 7, 8]
+    column = tiles.width * Bk / S
+    for t in numbers:
+        (x0, _), (x1, _) = to_data.transform(t.get_window_extent().get_points())
+        j = (int(t.get_text()) - 1) % 3
+        assert tiles.x0 + j * column <= x0 < x1 <= tiles.x0 + (j + 1) * column
+
+
 def test_flash_loop_grids_keep_the_proportions_in_both_memories():
     T, S, Bq, Bk, Dk, Dv = 6, 10, 2, 5, 3, 7
     rects = dg.tagged_rects(build("flash_loop_diagram", T, S, Bq, Bk, Dk, Dv))

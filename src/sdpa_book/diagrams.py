@@ -2503,8 +2503,6 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
         )
     # The tiles in loop order; the one being computed, and its blocks, highlighted.
     tiles = grids["tiles"]
-    tile_w, tile_h = tiles.width * min(Bk, S) / S, tiles.height * min(Bq, T) / T
-    numbered = min(tile_w, tile_h) >= 0.16
     for a in range(n_q):
         for b in range(n_k):
             part = _block_rect(
@@ -2512,7 +2510,8 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
             )
             if (a, b) == (i, j):
                 _highlight(ax, part, SCORES)
-            if numbered:
+            number_w, number_h = text_size(str(a * n_k + b + 1), LABEL_PT)
+            if number_w + 0.04 <= part.width and number_h + 0.02 <= part.height:
                 ax.text(
                     part.cx,
                     part.cy,
