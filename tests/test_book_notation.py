@@ -6,7 +6,8 @@ that used to occur: ``S`` as a matrix or a state (it is only the key length), ``
 for the head widths in maths (they are ``D_k``, ``D_v``), ``\\ell`` for the log-sum-exp (it is
 only the online softmax's running normaliser; the log-sum-exp is ``\\operatorname{lse}``), the
 weights as ``P``, ``p_{ij}`` or ``w_{ij}`` (they are ``A``, ``a_{ij}``), the backward's row term
-as ``D_i`` (it is ``\\delta_i``), and, in code, a gradient or a width named ``d_k``/``d_v``.
+as ``D_i`` (it is ``\\delta_i``), ``N`` for anything (FlashAttention's name for our ``n``), and,
+in code, a gradient or a width named ``d_k``/``d_v``.
 
 A paragraph that quotes another work's notation on purpose (to translate it) is preceded by a
 MyST comment line ``% notation: quoting <work>``; the check skips that paragraph.
@@ -49,6 +50,11 @@ MATH_RULES = [
     (
         re.compile(r"(?<![\w\\])D_\{?i\}?(?![\w])"),
         "the backward's row term is \\delta_i (D_i is another work's name)",
+    ),
+    (
+        re.compile(r"(?<![\w\\{])N(?![\w])"),
+        "N is FlashAttention's name for the sequence length n; blocks and tokens are counted "
+        "by other letters",
     ),
 ]
 CODE_RULE = (
@@ -130,6 +136,8 @@ def test_page_follows_the_notation(page):
         (r"$P = \operatorname{softmax}(Z)$", "entries a_ij"),
         (r"$w_{ij}$", "entries a_ij"),
         (r"$D_i = do_i \cdot o_i$", "delta_i"),
+        (r"$O(N^3)$", "FlashAttention's name"),
+        (r"$X^{(N)}$", "FlashAttention's name"),
     ],
 )
 def test_the_rules_catch_each_collision(maths, expect):
@@ -149,6 +157,8 @@ def test_the_rules_catch_each_collision(maths, expect):
         r"$\operatorname{lse}_i = \log \sum_j e^{z_{ij}}$",
         r"$\delta_i$",
         r"$Z = QK^\top/\sqrt{D_k}$",
+        r"$O(n^3)$",
+        r"$x \in \mathbb{N}$",
     ],
 )
 def test_the_rules_accept_the_book_notation(maths):
