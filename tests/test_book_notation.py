@@ -8,7 +8,8 @@ only the online softmax's running normaliser; the log-sum-exp is ``\\operatornam
 weights as ``P``, ``p_{ij}`` or ``w_{ij}`` (they are ``A``, ``a_{ij}``), the backward's row term
 as ``D_i`` (it is ``\\delta_i``), a Kronecker delta ``\\delta_{jl}`` (it is
 ``\\mathbb{1}_{j=l}``), the sinusoidal frequencies as ``\\omega_i`` (they are RoPE's
-``\\theta_c``), and, in code, a gradient or a width named ``d_k``/``d_v``.
+``\\theta_c``), ``N`` for anything (FlashAttention's name for our ``n``), and, in code, a
+gradient or a width named ``d_k``/``d_v``.
 
 A paragraph that quotes another work's notation on purpose (to translate it) is preceded by a
 MyST comment line ``% notation: quoting <work>``; the check skips that paragraph.
@@ -59,6 +60,11 @@ MATH_RULES = [
     (
         re.compile(r"\\omega_"),
         "the sinusoidal table's and RoPE's frequencies are \\theta_c, for the pair of features c",
+    ),
+    (
+        re.compile(r"(?<![\w\\{])N(?![\w])"),
+        "N is FlashAttention's name for the sequence length n; blocks and tokens are counted "
+        "by other letters",
     ),
 ]
 CODE_RULE = (
@@ -142,6 +148,8 @@ def test_page_follows_the_notation(page):
         (r"$D_i = do_i \cdot o_i$", "delta_i"),
         (r"$a_j (\delta_{jl} - a_l)$", "Kronecker delta"),
         (r"$\sin(\omega_i t)$", "theta_c"),
+        (r"$O(N^3)$", "FlashAttention's name"),
+        (r"$X^{(N)}$", "FlashAttention's name"),
     ],
 )
 def test_the_rules_catch_each_collision(maths, expect):
@@ -164,6 +172,8 @@ def test_the_rules_catch_each_collision(maths, expect):
         r"$a_j (\mathbb{1}_{j=l} - a_l)$",
         r"$\sin(\theta_c t)$",
         r"$Z = QK^\top/\sqrt{D_k}$",
+        r"$O(n^3)$",
+        r"$x \in \mathbb{N}$",
     ],
 )
 def test_the_rules_accept_the_book_notation(maths):

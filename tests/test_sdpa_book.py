@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdpa_book import Plain, best_time, glue, loglog_slope, markdown_table, vec
+from sdpa_book import (
+    Plain,
+    best_time,
+    glue,
+    l2_cache,
+    loglog_slope,
+    markdown_table,
+    round_up,
+    vec,
+)
 from sdpa_book.display import BUILD_ENV
 
 
@@ -111,3 +120,42 @@ def test_best_time_is_the_minimum_and_validates():
         best_time(3)
     with pytest.raises(ValueError, match="repeats must be at least 1; got 0"):
         best_time(lambda: None, repeats=0)
+
+
+@pytest.mark.parametrize(
+    ("x", "digits", "expect"),
+    [
+        (4.3e-16, 1, 5e-16),
+        (2.2e-16, 1, 3e-16),
+        (4e-16, 1, 4e-16),
+        (1e-15, 2, 1e-15),
+        (9.99e-16, 1, 1e-15),
+        (0.123, 2, 0.13),
+        (0.0, 1, 0.0),
+    ],
+)
+def test_round_up_gives_a_bound_that_holds(x, digits, expect):
+    assert round_up(x, digits) == expect
+    assert round_up(x, digits) >= x
+
+
+def test_round_up_validates():
+    with pytest.raises(ValueError, match="non-negative finite"):
+        round_up(-1e-16)
+    with pytest.raises(ValueError, match="non-negative finite"):
+        round_up(float("nan"))
+    with pytest.raises(ValueError, match="digits must be an int"):
+        round_up(1.0, 0)
+
+
+def test_l2_cache_reads_the_level_2_entry(tmp_path):
+    for name, level, kind, size in [
+        ("index0", "1", "Data", "32K"),
+        ("index1", "2", "Instruction", "64K"),
+        ("index2", "2", "Unified", "1024K"),
+    ]:
+        (tmp_path / name).mkdir()
+        for field, text in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / name / field).write_text(text + "\n")
+    assert l2_cache(tmp_path) == 2**20
+    assert l2_cache(tmp_path / "missing") is None

@@ -11,9 +11,11 @@ Modules
 -------
 display
     :func:`~sdpa_book.display.glue`, :class:`~sdpa_book.display.Plain`,
-    :func:`~sdpa_book.display.vec`, :func:`~sdpa_book.display.markdown_table`.
+    :func:`~sdpa_book.display.vec`, :func:`~sdpa_book.display.markdown_table`,
+    :func:`~sdpa_book.display.round_up`.
 timing
-    :func:`~sdpa_book.timing.best_time`, :func:`~sdpa_book.timing.loglog_slope`.
+    :func:`~sdpa_book.timing.best_time`, :func:`~sdpa_book.timing.loglog_slope`,
+    :func:`~sdpa_book.timing.l2_cache`.
 figures
     The figure style (applied on import: fonts, colours, SVG in notebooks) and colour roles.
 diagrams
@@ -22,8 +24,8 @@ diagrams
 
 from __future__ import annotations
 
-from .display import Plain, glue, markdown_table, vec
-from .timing import best_time, loglog_slope
+from .display import Plain, glue, markdown_table, round_up, vec
+from .timing import best_time, l2_cache, loglog_slope
 
 try:
     import matplotlib  # noqa: F401
@@ -34,4 +36,13 @@ else:
 
     apply_style()
 
-__all__ = ["Plain", "best_time", "glue", "loglog_slope", "markdown_table", "vec"]
+__all__ = [
+    "Plain",
+    "best_time",
+    "glue",
+    "l2_cache",
+    "loglog_slope",
+    "markdown_table",
+    "round_up",
+    "vec",
+]

@@ -9,12 +9,14 @@ number, which the notebook's text already states, is not shown again.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
+from decimal import ROUND_CEILING, Decimal
 
 import numpy as np
 
-__all__ = ["Plain", "glue", "markdown_table", "vec"]
+__all__ = ["Plain", "glue", "markdown_table", "round_up", "vec"]
 
 BUILD_ENV = "SDPA_BOOK_BUILD"
 
@@ -114,6 +116,48 @@ def vec(a, fmt: str = "{:g}") -> Plain:
     """
     values = np.ravel(np.asarray(a))
     return Plain("(" + ", ".join(fmt.format(x) for x in values) + ")")
+
+
+def round_up(x: float, digits: int = 1) -> float:
+    """The smallest number of ``digits`` significant digits that is at least ``x``.
+
+    A bound stated in the prose ("agree within 5e-16") must hold: formatting a measured
+    4.3e-16 with ``:.0e`` would print 4e-16, below it. Glue ``round_up(x)`` instead.
+
+    Parameters
+    ----------
+    x : float
+        A non-negative finite number.
+    digits : int, default 1
+        Significant digits of the result.
+
+    Returns
+    -------
+    float
+        ``x`` rounded up to ``digits`` significant digits (0.0 for 0).
+
+    Raises
+    ------
+    ValueError
+        If ``x`` is negative or not finite, or ``digits`` is smaller than 1.
+
+    Examples
+    --------
+    >>> from sdpa_book import round_up
+    >>> f"{round_up(4.3e-16):.0e}", f"{round_up(2.2e-16):.0e}", f"{round_up(0.123, 2):.2g}"
+    ('5e-16', '3e-16', '0.13')
+    """
+    x = float(x)
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"x must be a non-negative finite number; got {x!r}")
+    if isinstance(digits, bool) or not isinstance(digits, (int, np.integer)) or digits < 1:
+        raise ValueError(f"digits must be an int of at least 1; got {digits!r}")
+    if x == 0.0:
+        return 0.0
+    # In decimal, from the shortest text that reads back as x, so that 1e-15 stays 1e-15.
+    exact = Decimal(repr(x))
+    step = Decimal(1).scaleb(exact.adjusted() - int(digits) + 1)
+    return float(exact.quantize(step, rounding=ROUND_CEILING))
 
 
 def markdown_table(

@@ -7,12 +7,18 @@ and state ratios and growth rates, never absolute speeds.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["best_time", "loglog_slope"]
+__all__ = ["best_time", "l2_cache", "loglog_slope"]
+
+# Where Linux describes the caches of the first processor.
+CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -76,3 +82,40 @@ def loglog_slope(
     if (x <= 0).any() or (y <= 0).any():
         raise ValueError("sizes and values must be positive for a log-log slope")
     return float(np.polyfit(np.log(x), np.log(y), 1)[0])
+
+
+def l2_cache(cache_dir: Path | str = CACHE_DIR) -> int | None:
+    """The size in bytes of one core's level-2 cache, as Linux reports it; None if it does not.
+
+    The pages that relate a working set to the cache read the size of the machine that builds
+    them, never a typical one.
+
+    Parameters
+    ----------
+    cache_dir : path, default ``/sys/devices/system/cpu/cpu0/cache``
+        The folder of ``index*`` entries, each with ``level``, ``type`` and ``size`` files.
+
+    Returns
+    -------
+    int or None
+        The size of the level-2 data (or unified) cache, or None where there is no such entry
+        (another system, a container that hides it).
+
+    Examples
+    --------
+    >>> from sdpa_book import l2_cache
+    >>> size = l2_cache()
+    >>> size is None or size >= 2**10
+    True
+    """
+    for index in sorted(Path(cache_dir).glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        match = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", size)
+        if level == "2" and kind != "Instruction" and match:
+            return int(match.group(1)) * _UNITS[match.group(2)]
+    return None
