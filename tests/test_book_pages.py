@@ -247,18 +247,6 @@ def test_the_exercise_check_catches_old_markup():
 HIDDEN_INPUT = {"remove-cell", "remove-input"}
 BUILTIN_NAMES = set(dir(builtins)) | {"display", "get_ipython"}
 
-# Pages that still break the rule, with what breaks it; each is an expected failure until fixed
-# (strict: a fixed page must leave this list).
-UNBOUND_KNOWN: dict[str, str] = {
-    "cost/complexity.md": "threadpool_limits imported, `seconds` made arrays, in hidden cells",
-    "cost/memory-efficient.md": "rng is created in a hidden cell",
-    "gradients/backward.md": "peak_mib is defined in a hidden cell",
-    "gradients/scaling-revisited.md": "threadpool_limits and time are imported in hidden cells",
-    "lm/induction-heads.md": "prev_head, best_ind, prev_heads, ind_heads, copy: hidden cells",
-    "lm/training.md": "re is imported and subj_head defined in hidden cells",
-    "modern/kv-cache.md": "params is computed in a hidden cell",
-}
-
 
 class _ModuleNames(ast.NodeVisitor):
     """The names one top-level statement loads and binds in the module's scope.
@@ -379,18 +367,7 @@ def _unbound_problems(text: str) -> list[str]:
     return problems
 
 
-def _unbound_params() -> list:
-    params = []
-    for param in _pages():
-        page = param.values[0]
-        marks = ()
-        if page in UNBOUND_KNOWN:
-            marks = pytest.mark.xfail(reason=UNBOUND_KNOWN[page], strict=True)
-        params.append(pytest.param(page, id=page, marks=marks))
-    return params
-
-
-@pytest.mark.parametrize("page", _unbound_params())
+@pytest.mark.parametrize("page", _pages())
 def test_visible_code_runs_without_the_hidden_cells(page):
     problems = _unbound_problems((BOOK / page).read_text(encoding="utf-8"))
     assert not problems, f"{page}:\n  " + "\n  ".join(problems)
