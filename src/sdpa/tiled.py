@@ -414,7 +414,7 @@ class _Worker:
                 self.skipped_mask += 1
                 continue
             self.computed += 1
-            if disallowed is None and self.bias is None and not self.started.any():
+            if self.may_estimate and not self.started.any() and self.band_admits(s0):
                 self.estimate_shift(s0)  # the unit's first tile can then take the lazy step
             if self.all_started and not plan.may_overflow and self.lazy_step(s0, s1, disallowed):
                 continue
@@ -439,6 +439,7 @@ class _Worker:
         self.k1, self.v1 = plan.k1[o], plan.v1[o]  # (S, Dk + 1), (S, Wv)
         self.allowed = None if plan.allowed is None else plan.allowed[o]  # (F, T, S)
         self.bias = None if plan.bias is None else plan.bias[o]  # (F, T, S)
+        self.may_estimate = self.allowed is None and self.bias is None  # see estimate_shift
         self.m = self.m_buf[:rows]  # the shift of each row; 0 until it has met an allowed key
         self.m.fill(0)
         self.unfolded = self.unfolded_buf[:rows]  # m for the rows not folded in, else 0
@@ -483,13 +484,22 @@ class _Worker:
             self.band_cache[key] = tile
         return tile
 
+    def band_admits(self, s: int) -> bool:
+        """Whether the band allows key ``s`` to every query row of the unit (the one-key tile
+        of key ``s`` lies entirely inside the band)."""
+        plan = self.plan
+        return _tile_kind(self.t0, self.t1, s, s + 1, plan.offset, plan.lo, plan.hi) == FULL
+
     def estimate_shift(self, s0: int) -> None:
         """Start every row at the score of its first key, ``m = scale * q . k[s0]``.
 
-        Without a mask or a bias every row may attend key ``s0``, so this ``m`` is at most the
-        row's maximum and ``l >= 1`` at that shift: the lazy step is exact on the unit's first
-        tile unless a score exceeds ``m`` by more than ``LAZY_MARGIN``, which its row sums
-        detect (the exact step then starts over from these rows). One matrix-vector product
+        Called when no boolean mask nor bias is given and the band allows key ``s0`` to every
+        row (always on a tile the band does not cross; under a causal mask, also on the
+        diagonal tile of a block whose keys start at key 0). Every row may then attend key
+        ``s0``, so this ``m`` is at most the row's maximum and ``l >= 1`` at that shift: the
+        lazy step is exact on the unit's first tile unless a score exceeds ``m`` by more than
+        ``LAZY_MARGIN``, which its row sums detect (the exact step then starts over from
+        these rows). One matrix-vector product
         instead of the exact step's passes for the row maximum and the subtraction.
         """
         plan = self.plan
