@@ -66,6 +66,7 @@ from .threads import default_num_threads, run_in_threads, single_threaded_blas
 __all__ = [
     "BLOCK_K",
     "BLOCK_ROWS",
+    "BLOCK_ROWS_FULL",
     "FOLD_LIMIT",
     "LAZY_MARGIN",
     "VALUE_WIDTH_MULTIPLE",
@@ -79,6 +80,13 @@ __all__ = [
 # heads of a group, so the tile of scores is at most BLOCK_ROWS x BLOCK_K.
 #: Default query rows per tile, after folding the heads of a group, by working dtype.
 BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 256}
+# Without a causal mask or a window every tile is full, and longer tiles cost less per score:
+# half as many work units and NumPy calls, larger products (4 x 8 heads of T = S = 1024, one
+# thread: about 8 % less CPU time with 512 rows than with 256, in float32 and in float64).
+# Under a band the shorter tiles win: they follow the diagonal more closely.
+#: Default query rows per tile when no causal mask or window limits the keys, by working dtype
+#: (lowered to ``BLOCK_ROWS`` at least, so that every thread still gets a work unit).
+BLOCK_ROWS_FULL = {np.dtype(np.float32): 512, np.dtype(np.float64): 512}
 #: Default keys per tile, by working dtype.
 BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 256}
 
@@ -284,27 +292,40 @@ def _fold_axis(problem: AttentionProblem) -> bool:
 
 
 def tile_plan_sizes(
-    problem: AttentionProblem, block_q: int | None = None, block_k: int | None = None
+    problem: AttentionProblem,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
 ) -> tuple[int, int, int]:
     """``(F, block_q, block_k)``: the heads folded into a tile's rows and the tile sizes.
 
     The last batch axis is folded into the query rows when keys and values do not vary along
     it (``F`` of its heads share one key tile); ``block_q`` defaults to about ``BLOCK_ROWS``
-    rows after folding, ``block_k`` to ``BLOCK_K``.
+    rows after folding, ``block_k`` to ``BLOCK_K``. Without a band (no causal mask, no
+    window) the rows go up to ``BLOCK_ROWS_FULL``, as long as the ``num_threads`` threads
+    (default :func:`sdpa.threads.default_num_threads`) still get a work unit each.
     """
     F = problem.batch_shape[-1] if _fold_axis(problem) else 1
     if block_q is None:
-        block_q = max(1, BLOCK_ROWS.get(problem.work_dtype, 128) // F)
+        rows = BLOCK_ROWS.get(problem.work_dtype, 128)
+        if problem.band == (None, None):
+            outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // F
+            blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
+            rows_per_block = F * -(-problem.T // blocks)  # the rows, split into `blocks`
+            rows = max(rows, min(BLOCK_ROWS_FULL.get(problem.work_dtype, rows), rows_per_block))
+        block_q = max(1, rows // F)
     if block_k is None:
         block_k = BLOCK_K.get(problem.work_dtype, 512)
     return F, int(block_q), int(block_k)
 
 
-def _make_plan(problem: AttentionProblem, block_q, block_k, with_stats=False, exp=np.exp) -> _Plan:
+def _make_plan(
+    problem: AttentionProblem, block_q, block_k, num_threads, with_stats=False, exp=np.exp
+) -> _Plan:
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
     bs = problem.batch_shape
-    F, block_q, block_k = tile_plan_sizes(problem, block_q, block_k)
+    F, block_q, block_k = tile_plan_sizes(problem, block_q, block_k, num_threads)
     fold = F > 1
     outer = bs[:-1] if fold else bs
 
@@ -643,7 +664,8 @@ def attention_tiled(
         From :func:`sdpa.problem.prepare_attention`.
     block_q : int, optional
         Query positions per tile; default: about ``BLOCK_ROWS`` rows after folding the heads
-        that share a key/value head into the rows of one tile.
+        that share a key/value head into the rows of one tile, up to ``BLOCK_ROWS_FULL``
+        without a causal mask or a window.
     block_k : int, optional
         Keys per tile; default ``BLOCK_K``.
     num_threads : int, optional
@@ -711,7 +733,7 @@ def attention_tiled(
         if mark:
             out, lse, _ = mark_poisoned(problem, out, lse)
         return (out, lse, m, ell) if return_stats else (out, lse)
-    plan = _make_plan(problem, block_q, block_k, with_stats=return_stats, exp=exp)
+    plan = _make_plan(problem, block_q, block_k, num_threads, with_stats=return_stats, exp=exp)
     outer = plan.out.shape[:-3]
     n_q = -(-T // plan.block_q)
     units = []
