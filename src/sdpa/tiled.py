@@ -524,8 +524,8 @@ class _Worker:
         ``s0``, so this ``m`` is at most the row's maximum and ``l >= 1`` at that shift: the
         lazy step is exact on the unit's first tile unless a score exceeds ``m`` by more than
         ``LAZY_MARGIN``, which its row sums detect (the exact step then starts over from
-        these rows). One matrix-vector product
-        instead of the exact step's passes for the row maximum and the subtraction.
+        these rows). One matrix-vector product instead of the exact step's passes for the row
+        maximum and the subtraction.
         """
         plan = self.plan
         if plan.may_overflow:
