@@ -86,18 +86,13 @@ def single_threaded_blas() -> Iterator[None]:
 
 
 def run_in_threads(tasks: list[Callable[[], object]]) -> list:
-    """Run the callables at the same time, the first in the calling thread, with BLAS held to
-    one thread.
+    """Run each callable in a thread of its own, with BLAS held to one thread.
 
-    The other tasks run in threads created for the call rather than kept in a pool. Measured
-    on the 2-core benchmark machine, a pool's idle threads, woken together by the calling
-    thread, often shared one core for the first tens of milliseconds (Linux wakes a thread
-    near its waker and balances the load only later), so a 20 ms problem took 30 to 35 ms;
-    new threads are placed on idle cores at once, and creating them costs well under a
-    millisecond. The calling thread does the first task instead of waiting idle: one thread
-    fewer to create and to schedule, and on a busy machine the work starts on a core that is
-    already running (tasks that share their work through a counter, as the tiled paths' do,
-    then take on whatever a late thread does not).
+    The threads are created for the call rather than kept in a pool. Measured on the 2-core
+    benchmark machine, a pool's idle threads, woken together by the calling thread, often
+    shared one core for the first tens of milliseconds (Linux wakes a thread near its waker
+    and balances the load only later), so a 20 ms problem took 30 to 35 ms; new threads are
+    placed on idle cores at once, and creating them costs well under a millisecond.
 
     Parameters
     ----------
@@ -116,14 +111,6 @@ def run_in_threads(tasks: list[Callable[[], object]]) -> list:
     >>> run_in_threads([lambda: 1, lambda: 2])
     [1, 2]
     """
-    if not tasks:
-        return []
-    with single_threaded_blas(), ThreadPoolExecutor(max_workers=max(1, len(tasks) - 1)) as pool:
-        futures = [pool.submit(task) for task in tasks[1:]]
-        try:
-            first = tasks[0]()
-        except BaseException:
-            for f in futures:  # every task has finished before the error is raised
-                f.exception()
-            raise
-        return [first] + [f.result() for f in futures]
+    with single_threaded_blas(), ThreadPoolExecutor(max_workers=max(1, len(tasks))) as pool:
+        futures = [pool.submit(task) for task in tasks]
+        return [f.result() for f in futures]
