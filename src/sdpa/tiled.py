@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ from .threads import default_num_threads, run_in_threads, single_threaded_blas
 __all__ = [
     "BLOCK_K",
     "BLOCK_ROWS",
+    "BLOCK_ROWS_FULL",
     "FOLD_LIMIT",
     "LAZY_MARGIN",
     "VALUE_WIDTH_MULTIPLE",
@@ -79,6 +81,13 @@ __all__ = [
 # heads of a group, so the tile of scores is at most BLOCK_ROWS x BLOCK_K.
 #: Default query rows per tile, after folding the heads of a group, by working dtype.
 BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 256}
+# Without a causal mask or a window every tile is full, and longer tiles cost less per score:
+# half as many work units and NumPy calls, larger products (4 x 8 heads of T = S = 1024, one
+# thread: about 8 % less CPU time with 512 rows than with 256, in float32 and in float64).
+# Under a band the shorter tiles win: they follow the diagonal more closely.
+#: Default query rows per tile when no causal mask or window limits the keys, by working dtype
+#: (lowered to ``BLOCK_ROWS`` at least, so that every thread still gets a work unit).
+BLOCK_ROWS_FULL = {np.dtype(np.float32): 512, np.dtype(np.float64): 512}
 #: Default keys per tile, by working dtype.
 BLOCK_K = {np.dtype(np.float32): 512, np.dtype(np.float64): 256}
 
@@ -93,10 +102,14 @@ LAZY_MARGIN = 20.0
 LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 
 # The values travel with a column of ones (their product with the probabilities is the row sum
-# l) and zeros up to a multiple of this width: BLAS kernels work on panels of 4 or 8 columns, and
-# a product with Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32).
+# l) and zeros up to a multiple of this width. What a width costs depends on the processor and
+# the BLAS kernel: on a 2-core AMD EPYC Zen 3 (OpenBLAS Haswell kernels) a product with
+# Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32); on a 2-core AMD EPYC
+# with AVX-512 (Zen 4) 72 columns ran 5-10 % slower than 65 or 66 with each of OpenBLAS's
+# SkylakeX, Haswell and Zen kernels, and the whole kernel 3-7 % slower (4 x 8 heads and one
+# head, float32 and float64), since the 6 zero columns are multiplied too. 66 was the fastest.
 #: The values' width ``Dv + 1`` (with the column of ones) is padded up to a multiple of this.
-VALUE_WIDTH_MULTIPLE = 8
+VALUE_WIDTH_MULTIPLE = 2
 
 
 @dataclass
@@ -240,13 +253,43 @@ def tile_map(
 # ----------------------------------------------------------------------------------------
 
 
+class _Widened:
+    """``[x | 1 | 0 ...]``: each head ``(S, D)`` of an input ``(..., S, D)`` with a column of
+    ones and zeros up to ``width`` columns, built by the first worker that needs the head.
+
+    The copies are thus shared among the threads rather than made before they start (4 x 8
+    heads of 1024 keys: about 3 ms on one core, some 4 % of the call on two).
+    """
+
+    def __init__(self, x: np.ndarray, width: int, dtype, index: np.ndarray):
+        self.x = x
+        self.heads = np.empty((*x.shape[:-1], width), dtype).reshape(-1, x.shape[-2], width)
+        self.index = index  # (*outer,): which head of x each outer index reads
+        self.built = np.zeros(len(self.heads), dtype=bool)
+        self.locks = [threading.Lock() for _ in range(min(len(self.heads), 64))]
+
+    def __getitem__(self, o: tuple) -> np.ndarray:
+        """The widened head that outer index ``o`` reads, ``(S, width)``."""
+        i = int(self.index[o])
+        if not self.built[i]:
+            with self.locks[i % len(self.locks)]:  # another worker may be building it
+                if not self.built[i]:
+                    D = self.x.shape[-1]
+                    head = self.heads[i]
+                    head[:, :D] = self.x[np.unravel_index(i, self.x.shape[:-2])]
+                    head[:, D] = 1
+                    head[:, D + 1 :] = 0
+                    self.built[i] = True
+        return self.heads[i]
+
+
 @dataclass
 class _Plan:
     """Everything a worker needs, as views shaped ``(*outer, F, ...)`` or ``(*outer, ...)``."""
 
     q: np.ndarray  # (*outer, F, T, Dk)
-    k1: np.ndarray  # (*outer, S, Dk + 1): keys with a column of ones
-    v1: np.ndarray  # (*outer, S, Wv): values, a column of ones, zeros up to the width Wv
+    k1: _Widened  # k1[o]: (S, Dk + 1), keys with a column of ones
+    v1: _Widened  # v1[o]: (S, Wv), values, a column of ones, zeros up to the width Wv
     allowed: np.ndarray | None  # (*outer, F, T, S) bool view, or None
     bias: np.ndarray | None  # (*outer, F, T, S) view, or None
     out: np.ndarray  # (*outer, F, T, Dv), written by the workers
@@ -284,27 +327,40 @@ def _fold_axis(problem: AttentionProblem) -> bool:
 
 
 def tile_plan_sizes(
-    problem: AttentionProblem, block_q: int | None = None, block_k: int | None = None
+    problem: AttentionProblem,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
 ) -> tuple[int, int, int]:
     """``(F, block_q, block_k)``: the heads folded into a tile's rows and the tile sizes.
 
     The last batch axis is folded into the query rows when keys and values do not vary along
     it (``F`` of its heads share one key tile); ``block_q`` defaults to about ``BLOCK_ROWS``
-    rows after folding, ``block_k`` to ``BLOCK_K``.
+    rows after folding, ``block_k`` to ``BLOCK_K``. Without a band (no causal mask, no
+    window) the rows go up to ``BLOCK_ROWS_FULL``, as long as the ``num_threads`` threads
+    (default :func:`sdpa.threads.default_num_threads`) still get a work unit each.
     """
     F = problem.batch_shape[-1] if _fold_axis(problem) else 1
     if block_q is None:
-        block_q = max(1, BLOCK_ROWS.get(problem.work_dtype, 128) // F)
+        rows = BLOCK_ROWS.get(problem.work_dtype, 128)
+        if problem.band == (None, None):
+            outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // F
+            blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
+            rows_per_block = F * -(-problem.T // blocks)  # the rows, split into `blocks`
+            rows = max(rows, min(BLOCK_ROWS_FULL.get(problem.work_dtype, rows), rows_per_block))
+        block_q = max(1, rows // F)
     if block_k is None:
         block_k = BLOCK_K.get(problem.work_dtype, 512)
     return F, int(block_q), int(block_k)
 
 
-def _make_plan(problem: AttentionProblem, block_q, block_k, with_stats=False, exp=np.exp) -> _Plan:
+def _make_plan(
+    problem: AttentionProblem, block_q, block_k, num_threads, with_stats=False, exp=np.exp
+) -> _Plan:
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
     bs = problem.batch_shape
-    F, block_q, block_k = tile_plan_sizes(problem, block_q, block_k)
+    F, block_q, block_k = tile_plan_sizes(problem, block_q, block_k, num_threads)
     fold = F > 1
     outer = bs[:-1] if fold else bs
 
@@ -312,18 +368,11 @@ def _make_plan(problem: AttentionProblem, block_q, block_k, with_stats=False, ex
         full = np.broadcast_to(a, (*bs, T, last))
         return full if fold else full[..., None, :, :]
 
-    def keys_view(a, last):  # broadcast a (..., S, last) array to (*outer, S, last)
-        if fold:
-            return np.broadcast_to(a, (*outer, 1, S, last))[..., 0, :, :]
-        return np.broadcast_to(a, (*bs, S, last))
+    def head_index(a):  # which head of a (..., S, last) array each outer index reads
+        index = np.arange(int(np.prod(a.shape[:-2], dtype=np.int64))).reshape(a.shape[:-2])
+        return np.broadcast_to(index, (*outer, 1))[..., 0] if fold else np.broadcast_to(index, bs)
 
-    k1 = np.empty((*problem.key.shape[:-1], Dk + 1), dtype=dtype)
-    k1[..., :Dk] = problem.key
-    k1[..., Dk] = 1
     Wv = -(-(Dv + 1) // VALUE_WIDTH_MULTIPLE) * VALUE_WIDTH_MULTIPLE
-    v1 = np.zeros((*problem.value.shape[:-1], Wv), dtype=dtype)
-    v1[..., :Dv] = problem.value
-    v1[..., Dv] = 1
     allowed = bias = None
     if problem.allowed is not None:
         allowed = rows_view(problem.allowed, S)
@@ -332,8 +381,8 @@ def _make_plan(problem: AttentionProblem, block_q, block_k, with_stats=False, ex
     lo, hi = problem.band
     return _Plan(
         q=rows_view(problem.query, Dk),
-        k1=keys_view(k1, Dk + 1),
-        v1=keys_view(v1, Wv),
+        k1=_Widened(problem.key, Dk + 1, dtype, head_index(problem.key)),
+        v1=_Widened(problem.value, Wv, dtype, head_index(problem.value)),
         allowed=allowed,
         bias=bias,
         out=np.empty((*outer, F, T, Dv), dtype=dtype),
@@ -414,7 +463,7 @@ class _Worker:
                 self.skipped_mask += 1
                 continue
             self.computed += 1
-            if disallowed is None and self.bias is None and not self.started.any():
+            if self.may_estimate and not self.started.any() and self.band_admits(s0):
                 self.estimate_shift(s0)  # the unit's first tile can then take the lazy step
             if self.all_started and not plan.may_overflow and self.lazy_step(s0, s1, disallowed):
                 continue
@@ -439,6 +488,7 @@ class _Worker:
         self.k1, self.v1 = plan.k1[o], plan.v1[o]  # (S, Dk + 1), (S, Wv)
         self.allowed = None if plan.allowed is None else plan.allowed[o]  # (F, T, S)
         self.bias = None if plan.bias is None else plan.bias[o]  # (F, T, S)
+        self.may_estimate = self.allowed is None and self.bias is None  # see estimate_shift
         self.m = self.m_buf[:rows]  # the shift of each row; 0 until it has met an allowed key
         self.m.fill(0)
         self.unfolded = self.unfolded_buf[:rows]  # m for the rows not folded in, else 0
@@ -483,14 +533,23 @@ class _Worker:
             self.band_cache[key] = tile
         return tile
 
+    def band_admits(self, s: int) -> bool:
+        """Whether the band allows key ``s`` to every query row of the unit (the one-key tile
+        of key ``s`` lies entirely inside the band)."""
+        plan = self.plan
+        return _tile_kind(self.t0, self.t1, s, s + 1, plan.offset, plan.lo, plan.hi) == FULL
+
     def estimate_shift(self, s0: int) -> None:
         """Start every row at the score of its first key, ``m = scale * q . k[s0]``.
 
-        Without a mask or a bias every row may attend key ``s0``, so this ``m`` is at most the
-        row's maximum and ``l >= 1`` at that shift: the lazy step is exact on the unit's first
-        tile unless a score exceeds ``m`` by more than ``LAZY_MARGIN``, which its row sums
-        detect (the exact step then starts over from these rows). One matrix-vector product
-        instead of the exact step's passes for the row maximum and the subtraction.
+        Called when no boolean mask nor bias is given and the band allows key ``s0`` to every
+        row (always on a tile the band does not cross; under a causal mask, also on the
+        diagonal tile of a block whose keys start at key 0). Every row may then attend key
+        ``s0``, so this ``m`` is at most the row's maximum and ``l >= 1`` at that shift: the
+        lazy step is exact on the unit's first tile unless a score exceeds ``m`` by more than
+        ``LAZY_MARGIN``, which its row sums detect (the exact step then starts over from
+        these rows). One matrix-vector product instead of the exact step's passes for the row
+        maximum and the subtraction.
         """
         plan = self.plan
         if plan.may_overflow:
@@ -633,7 +692,8 @@ def attention_tiled(
         From :func:`sdpa.problem.prepare_attention`.
     block_q : int, optional
         Query positions per tile; default: about ``BLOCK_ROWS`` rows after folding the heads
-        that share a key/value head into the rows of one tile.
+        that share a key/value head into the rows of one tile, up to ``BLOCK_ROWS_FULL``
+        without a causal mask or a window.
     block_k : int, optional
         Keys per tile; default ``BLOCK_K``.
     num_threads : int, optional
@@ -701,7 +761,7 @@ def attention_tiled(
         if mark:
             out, lse, _ = mark_poisoned(problem, out, lse)
         return (out, lse, m, ell) if return_stats else (out, lse)
-    plan = _make_plan(problem, block_q, block_k, with_stats=return_stats, exp=exp)
+    plan = _make_plan(problem, block_q, block_k, num_threads, with_stats=return_stats, exp=exp)
     outer = plan.out.shape[:-3]
     n_q = -(-T // plan.block_q)
     units = []
