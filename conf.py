@@ -299,15 +299,19 @@ def write_api_reference(app, docname, source) -> None:
 def break_autosummary_signatures(app, doctree, docname) -> None:
     """Let the API summary's signatures wrap between arguments, not inside a name.
 
-    Autosummary joins arguments with no-break spaces, so a signature is one long word that a
-    narrow column can only split mid-identifier ("h / ead_dim").
+    Autosummary's HTML visitor turns every space of the first column's text into a no-break
+    space, so a signature becomes one long word that a narrow column can only split
+    mid-identifier ("h / ead_dim"). It rewrites only the paragraph's own text nodes: wrapped in
+    an inline node, the text keeps its spaces.
     """
     for table in doctree.findall(nodes.table):
-        if "autosummary" not in table.get("classes", []):
+        # autosummary writes its classes as one string: "autosummary longtable"
+        if "autosummary" not in " ".join(table.get("classes", [])).split():
             continue
-        for text in list(table.findall(nodes.Text)):
-            if "\xa0" in text:
-                text.parent.replace(text, nodes.Text(str(text).replace("\xa0", " ")))
+        for paragraph in table.findall(nodes.paragraph):
+            for i, child in enumerate(list(paragraph.children)):
+                if isinstance(child, nodes.Text) and " " in child:
+                    paragraph[i] = nodes.inline("", "", nodes.Text(str(child)))
 
 
 def setup(app):

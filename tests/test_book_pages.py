@@ -490,3 +490,16 @@ def test_landing_page_leads_the_reader_in(site_pages):
     assert all(1 <= m <= 60 for m in listed.values()), listed
     assert len(set(listed.values())) > 3, "every page has the same reading time: not computed"
     assert article.find("a", href=re.compile(r"^run-it-yourself\.html")) is not None
+
+
+def test_api_summary_signatures_wrap_between_arguments(site_pages):
+    """conf.py replaces autosummary's no-break spaces, so a narrow column breaks a signature
+    after a comma, never inside a name."""
+    from bs4 import BeautifulSoup
+
+    html = (SITE / "appendix" / "api.html").read_text(encoding="utf-8")
+    tables = BeautifulSoup(html, "html.parser").select("table.autosummary")
+    assert tables, "the API page has no autosummary table"
+    texts = [table.get_text() for table in tables]
+    assert any("head_dim" in text for text in texts)  # signatures are there
+    assert not any("\xa0" in text for text in texts)
