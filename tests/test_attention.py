@@ -517,6 +517,29 @@ def test_read_only_inputs_are_not_modified(rng):
         np.testing.assert_array_equal(a, c)
 
 
+@pytest.mark.parametrize("implementation", ["reference", "tiled"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_results_are_writeable_arrays_of_their_own(rng, implementation, dtype):
+    # The results are not copied once more when the implementation made them for the call;
+    # they must still never be read-only views, nor share memory with an input, with each
+    # other or with the next call's results. Keys and values broadcast over the batch.
+    q = randn(rng, B, 3, T, DK).astype(dtype)
+    k, v = randn(rng, 1, 3, S, DK).astype(dtype), randn(rng, 1, 3, S, DV).astype(dtype)
+    first = scaled_dot_product_attention(
+        q, k, v, is_causal=True, implementation=implementation, return_lse=True
+    )
+    second = scaled_dot_product_attention(
+        q, k, v, is_causal=True, implementation=implementation, return_lse=True
+    )
+    for a, b in zip(first, second):
+        assert a.flags.writeable and a.shape[:2] == (B, 3)
+        assert not any(np.shares_memory(a, x) for x in (q, k, v, b, *second))
+        np.testing.assert_array_equal(a, b)
+        a[...] = 0
+    np.testing.assert_array_equal(first[0], 0)
+    assert second[0].any()
+
+
 def test_non_contiguous_views_and_lists_are_accepted(rng):
     big_q = randn(rng, B, 2 * T, DK + 3)
     q = big_q[:, ::2, 1 : DK + 1]  # strided view

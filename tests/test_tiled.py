@@ -18,6 +18,8 @@ from sdpa import causal_mask, scaled_dot_product_attention, sliding_window_mask
 from sdpa.problem import prepare_attention
 from sdpa.tiled import TileStats, attention_tiled, tile_map
 
+from references import attention_loop_2d
+
 TOL = {
     np.float64: dict(rtol=1e-12, atol=1e-12),
     np.float32: dict(rtol=1e-5, atol=1e-6),
@@ -715,6 +717,35 @@ def test_large_finite_scores_that_fit_are_exact(implementation):
     )
     np.testing.assert_array_equal(out, [[1.0]])
     np.testing.assert_allclose(lse, [1e300], rtol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "offset, redone, rescaled",
+    [
+        (-19.0, 0, 0),  # row sum about 40 exp(-19) > exp(-20): the shift 0 stands
+        (-200.0, 1, 1),  # exp(-200) is 0 in float32, tiny in float64: redone from an exact step
+        (50.0, 0, 1),  # exp(50) > exp(20): the first tile moves the shift
+    ],
+)
+def test_the_shift_zero_holds_only_near_zero(rng, dtype, offset, redone, rescaled):
+    # Without a mask a work unit first tries the shift m = 0 for every row, which is exact
+    # while the row's scores stay within LAZY_MARGIN (20) of zero. Row 0's scores here are
+    # `offset` plus noise of size about 1, the other rows' scores are of size 1; the answer
+    # is the float64 loop's either way.
+    k = rng.standard_normal((40, 4))
+    k[:, 0] = 1.0
+    q = rng.standard_normal((6, 4))
+    q[0, 0] = 2 * offset  # scale 1/2: scores offset + (noise . k[:, 1:]) / 2
+    v = rng.standard_normal((40, 3))
+    want_out, _, want_lse = attention_loop_2d(q, k, v)
+    stats = TileStats()
+    problem = prepare_attention(*(a.astype(dtype) for a in (q, k, v)))
+    out, lse = attention_tiled(problem, block_q=8, block_k=16, stats=stats)
+    assert (stats.units, stats.computed, stats.redone) == (1, 3 * (1 + redone), redone)
+    assert stats.rescaled == rescaled
+    np.testing.assert_allclose(out, want_out, **TOL[dtype])
+    np.testing.assert_allclose(lse, want_lse, rtol=TOL[dtype]["rtol"])
 
 
 def test_a_bias_beyond_the_working_dtype_raises():

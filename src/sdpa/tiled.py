@@ -100,6 +100,7 @@ _EVERY_KEY = object()  # a tile whose every score the user's boolean mask disall
 #: How far above a row's shift ``m`` a score may lie before the shift must move.
 LAZY_MARGIN = 20.0
 LAZY_BOUND = float(np.exp(LAZY_MARGIN))
+LAZY_FLOOR = float(np.exp(-LAZY_MARGIN))  # the least l of a row that starts at m = 0
 
 # The values travel with a column of ones (their product with the probabilities is the row sum
 # l) and zeros up to a multiple of this width: BLAS kernels work on panels of 4 or 8 columns, and
@@ -122,17 +123,21 @@ class TileStats:
     computed : int
         Tiles whose scores were computed.
     rescaled : int
-        Computed tiles that moved the shift ``m`` (each unit's first tile, at least).
+        Computed tiles that moved the shift ``m`` (with a mask or a bias, each unit's first
+        tile, at least).
     skipped_band : int
         Tiles never visited: entirely outside the causal/window band.
     skipped_mask : int
         Tiles dropped because the boolean mask disallows all of them.
+    redone : int
+        Work units walked a second time, from the exact step, because a row's scores all lay
+        too far below the shift ``m = 0`` that units without a mask or a bias start from.
 
     Examples
     --------
     >>> from sdpa.tiled import TileStats
     >>> TileStats()
-    TileStats(units=0, computed=0, rescaled=0, skipped_band=0, skipped_mask=0)
+    TileStats(units=0, computed=0, rescaled=0, skipped_band=0, skipped_mask=0, redone=0)
     """
 
     units: int = 0
@@ -140,6 +145,7 @@ class TileStats:
     rescaled: int = 0
     skipped_band: int = 0
     skipped_mask: int = 0
+    redone: int = 0
 
 
 def _tile_kind(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> int:
@@ -284,7 +290,8 @@ class _Plan:
     """Everything a worker needs, as views shaped ``(*outer, F, ...)`` or ``(*outer, ...)``."""
 
     q: np.ndarray  # (*outer, F, T, Dk)
-    k1: _Widened  # k1[o]: (S, Dk + 1), keys with a column of ones
+    k: np.ndarray  # (*outer, S, Dk) view of the keys
+    k1: _Widened  # k1[o]: (S, Dk + 1), the keys with a column of ones
     v: np.ndarray  # (*outer, S, Dv) view of the values
     allowed: np.ndarray | None  # (*outer, F, T, S) bool view, or None
     bias: np.ndarray | None  # (*outer, F, T, S) view, or None
@@ -363,6 +370,10 @@ def _make_plan(
         full = np.broadcast_to(a, (*bs, T, last))
         return full if fold else full[..., None, :, :]
 
+    def heads_view(a, last):  # the (S, last) head of a (..., S, last) array each outer index reads
+        full = np.broadcast_to(a, (*bs, S, last))
+        return full[..., 0, :, :] if fold else full
+
     def head_index(a):  # which head of a (..., S, last) array each outer index reads
         index = np.arange(int(np.prod(a.shape[:-2], dtype=np.int64))).reshape(a.shape[:-2])
         return np.broadcast_to(index, (*outer, 1))[..., 0] if fold else np.broadcast_to(index, bs)
@@ -375,9 +386,9 @@ def _make_plan(
     lo, hi = problem.band
     return _Plan(
         q=rows_view(problem.query, Dk),
+        k=heads_view(problem.key, Dk),
         k1=_Widened(problem.key, Dk + 1, dtype, head_index(problem.key)),
-        v=np.broadcast_to(problem.value, (*bs, S, Dv))[..., 0, :, :] if fold else
-        np.broadcast_to(problem.value, (*bs, S, Dv)),
+        v=heads_view(problem.value, Dv),
         allowed=allowed,
         bias=bias,
         out=np.empty((*outer, F, T, Dv), dtype=dtype),
@@ -441,13 +452,30 @@ class _Worker:
         self.computed = 0
         self.skipped_mask = 0
         self.rescaled = 0
+        self.redone = 0
 
     # -- one work unit ---------------------------------------------------------------------
 
     def run(self, o: tuple, t0: int, t1: int) -> None:
-        """Attention for the query rows ``t0:t1`` of every folded head at outer index ``o``."""
+        """Attention for the query rows ``t0:t1`` of every folded head at outer index ``o``.
+
+        Without a mask or a bias the unit first tries the shift ``m = 0`` for every row (see
+        :meth:`start_unit`); if a row's scores turn out too small for it, the unit is walked
+        again from the exact step.
+        """
         plan = self.plan
-        self.start_unit(o, t0, t1)
+        at_zero = self.plan.allowed is None and self.plan.bias is None and not plan.may_overflow
+        self.start_unit(o, t0, t1, at_zero)
+        self.walk(t0, t1)
+        if at_zero and not self.ell.min() >= LAZY_FLOOR:  # (NaN fails too)
+            self.redone += 1
+            self.start_unit(o, t0, t1, at_zero=False)
+            self.walk(t0, t1)
+        self.write_result(o, t0, t1)
+
+    def walk(self, t0: int, t1: int) -> None:
+        """Add up the unit's key tiles: for each, its mask, then the lazy or the exact step."""
+        plan = self.plan
         first, stop = _key_block_range(t0, t1, plan.S, plan.block_k, plan.offset, plan.lo, plan.hi)
         key_start, key_stop = _band_keys(t0, t1, plan.S, plan.offset, plan.lo, plan.hi)
         for b in range(first, stop):
@@ -460,15 +488,20 @@ class _Worker:
                 self.skipped_mask += 1
                 continue
             self.computed += 1
-            if self.may_estimate and not self.started.any() and self.band_admits(s0):
-                self.estimate_shift(s0)  # the unit's first tile can then take the lazy step
             if self.all_started and not plan.may_overflow and self.lazy_step(s0, s1, disallowed):
                 continue
             self.exact_step(s0, s1, disallowed)
-        self.write_result(o, t0, t1)
 
-    def start_unit(self, o: tuple, t0: int, t1: int) -> None:
-        """Views of the unit's inputs and buffers; the running state at its initial values."""
+    def start_unit(self, o: tuple, t0: int, t1: int, at_zero: bool) -> None:
+        """Views of the unit's inputs and buffers; the running state at its initial values.
+
+        With ``at_zero`` every row starts at the shift ``m = 0``, so the first tile can take
+        the lazy step on the raw scores: ``exp(score)`` is exact while the scores stay within
+        ``LAZY_MARGIN`` of zero, which the tile's row sums check from above; from below, a
+        row whose sum ``l`` ends under ``exp(-LAZY_MARGIN)`` (all its scores below
+        ``-LAZY_MARGIN``, or none allowed) makes :meth:`run` redo the unit. Otherwise a row
+        starts once it meets an allowed key, in the exact step, at that tile's maximum.
+        """
         plan = self.plan
         F, Dk, bq = plan.F, plan.Dk, t1 - t0
         rows = F * bq
@@ -480,19 +513,22 @@ class _Worker:
         np.multiply(
             plan.q[o][:, t0:t1, :], plan.scale, out=self.q_shifted.reshape(F, bq, Dk + 1)[..., :Dk]
         )
+        self.q_scaled = self.q_shifted[:, :Dk]  # (rows, Dk)
         self.folded = self.q_shifted[:, Dk]  # -m for the rows whose shift is folded in, else 0
         self.folded.fill(0)
-        self.k1 = plan.k1[o]  # (S, Dk + 1)
+        self.any_folded = False  # while no shift is folded in, the keys need no column of ones
+        self.o = o
+        self.k = plan.k[o]  # (S, Dk)
+        self.k1 = None  # (S, Dk + 1), [k | 1], fetched once a shift is folded in
         self.allowed = None if plan.allowed is None else plan.allowed[o]  # (F, T, S)
         self.bias = None if plan.bias is None else plan.bias[o]  # (F, T, S)
-        self.may_estimate = self.allowed is None and self.bias is None  # see estimate_shift
         self.m = self.m_buf[:rows]  # the shift of each row; 0 until it has met an allowed key
         self.m.fill(0)
         self.unfolded = self.unfolded_buf[:rows]  # m for the rows not folded in, else 0
         self.unfolded.fill(0)
         self.any_unfolded = False
-        self.started = np.zeros(rows, dtype=bool)  # rows that have met an allowed key
-        self.all_started = False
+        self.started = np.full(rows, at_zero)  # rows whose shift m is set
+        self.all_started = at_zero
         self.acc = self.acc_buf[: rows * plan.Dv].reshape(rows, plan.Dv)
         self.acc.fill(0)
         self.ell = self.ell_buf[:rows]
@@ -534,36 +570,6 @@ class _Worker:
             self.band_cache[key] = tile
         return tile
 
-    def band_admits(self, s: int) -> bool:
-        """Whether the band allows key ``s`` to every query row of the unit (the one-key tile
-        of key ``s`` lies entirely inside the band)."""
-        plan = self.plan
-        return _tile_kind(self.t0, self.t1, s, s + 1, plan.offset, plan.lo, plan.hi) == FULL
-
-    def estimate_shift(self, s0: int) -> None:
-        """Start every row at the score of its first key, ``m = scale * q . k[s0]``.
-
-        Called when no boolean mask nor bias is given and the band allows key ``s0`` to every
-        row (always on a tile the band does not cross; under a causal mask, also on the
-        diagonal tile of a block whose keys start at key 0). Every row may then attend key
-        ``s0``, so this ``m`` is at most the row's maximum and ``l >= 1`` at that shift: the
-        lazy step is exact on the unit's first tile unless a score exceeds ``m`` by more than
-        ``LAZY_MARGIN``, which its row sums detect (the exact step then starts over from
-        these rows). One matrix-vector product instead of the exact step's passes for the row
-        maximum and the subtraction.
-        """
-        plan = self.plan
-        if plan.may_overflow:
-            return
-        Dk = plan.Dk
-        m = self.q_shifted[:, :Dk] @ self.k1[s0, :Dk]  # (rows, Dk) @ (Dk,) -> (rows,)
-        if not np.abs(m).max() <= FOLD_LIMIT:  # a shift this size is not folded in (see above)
-            return
-        self.m[:] = m
-        np.negative(m, out=self.folded)
-        self.started.fill(True)
-        self.all_started = True
-
     def lazy_step(self, s0: int, s1: int, disallowed) -> bool:
         """The common case: add the tile at the current shift ``m``; False if it is not exact.
 
@@ -598,6 +604,7 @@ class _Worker:
         m, started = self.m, self.started
         scores = self.scores_buf[: self.rows * (s1 - s0)].reshape(self.rows, s1 - s0)
         self.folded.fill(0)
+        self.any_folded = False
         self.shifted_scores(scores, s0, s1, disallowed, None, check=plan.may_overflow)
         row_max = np.max(scores, axis=1)  # -inf where nothing is allowed
         meets = row_max > -np.inf
@@ -614,6 +621,7 @@ class _Worker:
         small = np.abs(m) <= FOLD_LIMIT  # rows whose shift can be folded in exactly
         np.negative(m, out=self.folded)
         self.folded[~small] = 0
+        self.any_folded = bool(small.any())
         self.any_unfolded = not small.all()
         np.copyto(self.unfolded, m)
         self.unfolded[small] = 0
@@ -637,7 +645,12 @@ class _Worker:
         With ``check``, the raw scores (nothing subtracted) are checked for overflow first.
         """
         plan = self.plan
-        np.matmul(self.q_shifted, self.k1[s0:s1].T, out=scores)  # (rows, Dk+1) @ (Dk+1, bk)
+        if self.any_folded:
+            if self.k1 is None:
+                self.k1 = plan.k1[self.o]
+            np.matmul(self.q_shifted, self.k1[s0:s1].T, out=scores)  # (rows, Dk+1) @ (Dk+1, bk)
+        else:
+            np.matmul(self.q_scaled, self.k[s0:s1].T, out=scores)  # (rows, Dk) @ (Dk, bk)
         bias = None if self.bias is None else self.bias[:, self.t0 : self.t1, s0:s1]
         if bias is None and disallowed is None and unfolded is None and not check:
             return
@@ -801,6 +814,7 @@ def attention_tiled(
         stats.computed += sum(w.computed for w in workers)
         stats.skipped_mask += sum(w.skipped_mask for w in workers)
         stats.rescaled += sum(w.rescaled for w in workers)
+        stats.redone += sum(w.redone for w in workers)
         stats.skipped_band += total - sum(u[0] for u in units)
     bs = problem.batch_shape
     out, lse = plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
