@@ -111,6 +111,7 @@ def problems(draw):
         )
     block_q = draw(st.sampled_from([1, 2, 3, 5, T + 3]))
     block_k = draw(st.sampled_from([1, 2, 5, 7, S + 4]))
+    exp = draw(st.sampled_from([np.exp, np.exp2]))  # base e or base 2, whichever is faster
     n_units = math.prod(weights_shape[:-2]) * -(-T // block_q)
     assume(n_units * -(-S // block_k) <= 3000)  # keep every example small
     return dict(
@@ -124,6 +125,7 @@ def problems(draw):
         gqa=gqa,
         block_q=block_q,
         block_k=block_k,
+        exp=exp,
         dtype=dtype,
         seed=seed,
     )
@@ -176,7 +178,7 @@ def options(p):
 
 def tiled_forward(p):
     problem = prepare_attention(p["q"], p["k"], p["v"], p["mask"], **options(p))
-    out, lse = attention_tiled(problem, block_q=p["block_q"], block_k=p["block_k"])
+    out, lse = attention_tiled(problem, block_q=p["block_q"], block_k=p["block_k"], exp=p["exp"])
     return problem.finish(out, lse=lse)
 
 
