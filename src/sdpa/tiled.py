@@ -17,20 +17,25 @@ thread instead of ``T * S`` numbers per head.
 
 What matters for speed on a CPU, where every NumPy call is a full pass over a tile:
 
-* the row sums ``l`` come out of the second matrix product for free: each key block multiplies
-  the values with a column of ones appended (``[V | 1]``), so ``acc[:, Dv]`` is ``l``;
-* the shift ``m`` is folded into the first product, ``[q * scale | -m] @ [k | 1]^T``, and it
-  is moved lazily: a row keeps its shift while no term ``exp(score - m)`` can exceed
-  ``exp(LAZY_MARGIN)``, which the tile's row sums (from the second product) prove. Then nothing
-  overflows and ``l >= 1``, so the result is exact to rounding although ``m`` may lag behind
-  the true maximum; only a tile that breaks the bound is recomputed with a new shift (the
-  classical rescaling). Most tiles thus cost two matrix products and one ``exp``: no pass for
-  the row maximum, none for the subtraction, no rescaling of ``acc``;
+* the shift ``m`` is moved lazily: a row keeps its shift while no term ``exp(score - m)`` can
+  exceed ``exp(LAZY_MARGIN)``, which the tile's row sums prove. Then nothing overflows, so the
+  result is exact to rounding although ``m`` may lag behind the true maximum; only a tile that
+  breaks the bound is recomputed with a new shift (the classical rescaling). Without a mask or
+  a bias every row starts at ``m = 0``: exact unless the row's scores all lie more than
+  ``LAZY_MARGIN`` below zero, which its final sum ``l`` shows (the unit is then redone from
+  the exact step). Most tiles thus cost two matrix products, one exponential and one
+  matrix-vector product for the row sums (``p @ 1``, cheaper than a column of ones on the
+  values, which widens the second product past BLAS's panel width): no pass for the row
+  maximum, none for the subtraction, no rescaling of ``acc``;
+* once a shift has moved, it is folded into the first product, ``[q * scale | -m] @ [k | 1]^T``
+  (the keys are widened by a column of ones, per head, when first needed);
 * exactness whatever the bias: the rescaling step works on the raw scores (nothing folded in,
-  rounded exactly as the reference path rounds them), and a shift is folded in only while
+  rounded as the reference path rounds them), and a shift is folded in only while
   ``|m| <= FOLD_LIMIT``. A row whose scores are dominated by a huge bias (a float mask of
   ``finfo.min`` or ``-1e9``, as padding masks are often written) subtracts its shift after the
   product instead, since ``fl(q.k - m)`` would round ``q.k`` away;
+* the exponential is ``exp2`` on scores in base 2 (the query's scale times ``log2(e)``) where
+  NumPy's ``exp2`` is the faster (:func:`tile_exponential`), except with a float bias;
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
   entirely inside it are not masked; only the blocks the band's edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
@@ -72,7 +77,6 @@ __all__ = [
     "BLOCK_ROWS_FULL",
     "FOLD_LIMIT",
     "LAZY_MARGIN",
-    "VALUE_WIDTH_MULTIPLE",
     "TileStats",
     "attention_tiled",
     "tile_exponential",
@@ -85,9 +89,10 @@ __all__ = [
 #: Default query rows per tile, after folding the heads of a group, by working dtype.
 BLOCK_ROWS = {np.dtype(np.float32): 256, np.dtype(np.float64): 256}
 # Without a causal mask or a window every tile is full, and longer tiles cost less per score:
-# half as many work units and NumPy calls, larger products (4 x 8 heads of T = S = 1024, one
-# thread: about 8 % less CPU time with 512 rows than with 256, in float32 and in float64).
-# Under a band the shorter tiles win: they follow the diagonal more closely.
+# fewer work units and NumPy calls, larger products (4 x 8 heads of T = S = 1024 on 2 cores of
+# an AMD EPYC Zen 4: 1024 rows took 0.95 of the time of 512 in float32 and 0.92 in float64;
+# 512 took 0.92 of the time of 256 on one core). Under a band the shorter tiles win: they
+# follow the diagonal more closely.
 #: Default query rows per tile when no causal mask or window limits the keys, by working dtype
 #: (lowered to ``BLOCK_ROWS`` at least, so that every thread still gets a work unit).
 BLOCK_ROWS_FULL = {np.dtype(np.float32): 1024, np.dtype(np.float64): 1024}
@@ -104,12 +109,6 @@ _EVERY_KEY = object()  # a tile whose every score the user's boolean mask disall
 LAZY_MARGIN = 20.0
 LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 LAZY_FLOOR = float(np.exp(-LAZY_MARGIN))  # the least l of a row that starts at m = 0
-
-# The values travel with a column of ones (their product with the probabilities is the row sum
-# l) and zeros up to a multiple of this width: BLAS kernels work on panels of 4 or 8 columns, and
-# a product with Dv + 1 = 65 columns ran about 20 % slower than one with 72 (float32).
-#: The values' width ``Dv + 1`` (with the column of ones) is padded up to a multiple of this.
-VALUE_WIDTH_MULTIPLE = 8
 
 
 @dataclass
@@ -262,8 +261,9 @@ class _Widened:
     """``[x | 1 | 0 ...]``: each head ``(S, D)`` of an input ``(..., S, D)`` with a column of
     ones and zeros up to ``width`` columns, built by the first worker that needs the head.
 
-    The copies are thus shared among the threads rather than made before they start (4 x 8
-    heads of 1024 keys: about 3 ms on one core, some 4 % of the call on two).
+    The keys need the column of ones only once a row's shift is folded into the first product,
+    so the copies are made head by head, by the workers, and only for the heads that need them
+    (4 x 8 heads of 1024 keys: copying them all took about 1.5 ms on one core).
     """
 
     def __init__(self, x: np.ndarray, width: int, dtype, index: np.ndarray):
@@ -629,8 +629,9 @@ class _Worker:
         """The common case: add the tile at the current shift ``m``; False if it is not exact.
 
         ``exp(scores - m)`` is exact as long as no score exceeds ``m`` by more than
-        ``LAZY_MARGIN`` (then nothing overflows and ``l >= 1``), which the tile's row sums, a
-        by-product of the second product, prove. A tile that fails is redone by
+        ``LAZY_MARGIN`` (then nothing overflows), which the tile's row sums prove; and ``l``
+        stays large enough: ``l >= 1`` once ``m`` is an actual score, ``l >= LAZY_FLOOR`` at
+        the shift 0 (checked by :meth:`run` at the unit's end). A tile that fails is redone by
         :meth:`exact_step`.
 
         Disallowed entries are zeroed after the exponential rather than set to ``-inf``
@@ -693,8 +694,10 @@ class _Worker:
         """``tile_out = probs @ v`` and the row sums ``tile_ell = probs @ 1`` of one tile.
 
         The row sums are a matrix-vector product: it reads the tile once more, from cache,
-        which costs less than appending a column of ones to the values (BLAS pads the product
-        to its panel width, and ``Dv + 1`` columns ran 12 % slower than ``Dv``).
+        which costs less than a column of ones appended to the values. For ``Dv = 64`` on a
+        512 x 512 float32 tile (AMD EPYC Zen 4, one core): 65 columns took 1.18 times as long
+        as 64, 72 (padded to BLAS's panel width) 1.13 times, and ``probs @ 1`` adds 0.05;
+        NumPy's ``probs.sum(axis=1)`` would add 0.14.
         """
         np.matmul(probs, self.v[s0:s1], out=self.tile_out)  # (rows, bk) @ (bk, Dv)
         np.matmul(probs, self.ones[: s1 - s0], out=self.tile_ell)  # (rows, bk) @ (bk,)
