@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from references import attention_loop_2d
 
 import sdpa
 import sdpa.attention as attention_module
 from sdpa import causal_mask, scaled_dot_product_attention, sliding_window_mask
 from sdpa.problem import prepare_attention
 from sdpa.tiled import TileStats, attention_tiled, tile_exponential, tile_map
-
-from references import attention_loop_2d
 
 TOL = {
     np.float64: dict(rtol=1e-12, atol=1e-12),
@@ -769,9 +768,7 @@ def test_base_e_and_base_2_both_give_the_reference(rng, exp, dtype, kind):
     elif kind == "float":
         mask = np.where(rng.random((70, 90)) < 0.8, rng.standard_normal((70, 90)), -1e9)
     problem = prepare_attention(q, k, v, mask, kind == "causal")
-    out, lse, m, ell = attention_tiled(
-        problem, block_q=16, block_k=32, exp=exp, return_stats=True
-    )
+    out, lse, m, ell = attention_tiled(problem, block_q=16, block_k=32, exp=exp, return_stats=True)
     assert_same(problem.finish(out, lse=lse), reference(q, k, v, mask, kind == "causal"), dtype)
     np.testing.assert_allclose(m + np.log(ell), lse, **TOL[dtype])
 

@@ -374,7 +374,19 @@ def tile_exponential(dtype) -> Callable[..., np.ndarray]:
     as long. Where NumPy computes ``exp2`` with the vector library SVML (Linux on CPUs with
     AVX-512), float32 ``exp2`` ran 2.1 times as fast as ``exp`` and is correctly rounded to
     within 1 ulp (``exp`` to 2.4 ulp); elsewhere ``exp2`` may be a scalar loop, many times
-    slower.
+    slower. (SVML's ``exp2`` is slow on ``-inf`` and on results that underflow: the kernel
+    zeroes a tile's disallowed entries after the exponential rather than set them to ``-inf``
+    before it.)
+
+    Parameters
+    ----------
+    dtype : dtype-like
+        The working dtype of the scores.
+
+    Returns
+    -------
+    numpy.ufunc
+        ``numpy.exp2`` or ``numpy.exp``, the same object for every call with this dtype.
 
     Examples
     --------
