@@ -9,14 +9,18 @@ with the public mask helpers.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from references import attention_loop_2d
 
 import sdpa
 import sdpa.attention as attention_module
+import sdpa.tiled as tiled_module
 from sdpa import causal_mask, scaled_dot_product_attention, sliding_window_mask
 from sdpa.problem import prepare_attention
+from sdpa.threads import run_in_threads
 from sdpa.tiled import TileStats, attention_tiled, tile_exponential, tile_map
 
 TOL = {
@@ -773,11 +777,28 @@ def test_base_e_and_base_2_both_give_the_reference(rng, exp, dtype, kind):
     np.testing.assert_allclose(m + np.log(ell), lse, **TOL[dtype])
 
 
-def test_tile_exponential_is_exp_or_exp2_measured_once_per_dtype():
+def test_tile_exponential_is_exp_or_exp2():
     for dtype in (np.float32, np.float64):
         chosen = tile_exponential(dtype)
         assert chosen is np.exp or chosen is np.exp2
-        assert tile_exponential(np.dtype(dtype)) is chosen
+        assert tile_exponential(np.dtype(dtype).name) is chosen
+
+
+def test_tile_exponential_is_measured_once_per_dtype_even_by_concurrent_calls(monkeypatch):
+    # A slow measurement that would answer differently each time: every caller must still
+    # get the first answer, so concurrent calls never compute in different bases.
+    calls = []
+
+    def measure(dtype):
+        calls.append(dtype)
+        time.sleep(0.02)
+        return np.exp2 if len(calls) == 1 else np.exp
+
+    monkeypatch.setattr(tiled_module, "_faster_exponential", measure)
+    monkeypatch.setattr(tiled_module, "_exponentials", {})
+    got = run_in_threads([lambda: tile_exponential(np.float32)] * 4)
+    assert got == [np.exp2] * 4 and calls == [np.dtype(np.float32)]
+    assert tile_exponential("float32") is np.exp2 and len(calls) == 1
 
 
 def test_a_bias_beyond_the_working_dtype_raises():
