@@ -426,6 +426,53 @@ def test_the_book_keeps_its_glued_numbers_and_assertions():
     assert asserts >= MIN_ASSERTIONS, f"{asserts} assertion lines; the book had {MIN_ASSERTIONS}"
 
 
+# A bound stated in the prose must hold as printed: a glued number after "within", "at most",
+# "less than", "more than", "above", "below" or "under" is rounded up (sdpa_book.round_up), one
+# after "at least" or "never below" rounded down, since formatting alone rounds to the nearest and can print a
+# bound the measurement breaks. Exact integers (int(...), len(...)) need no rounding.
+_LOWER_WORDS = ["at least", "never below", "never under"]
+_UPPER_WORDS = ["within", "at most", "less than", "more than", "above", "below", "under"]
+_WORDS = "|".join(w.replace(" ", r"\s+") for w in _LOWER_WORDS + _UPPER_WORDS)
+_BOUND = re.compile(r"\b(?P<word>" + _WORDS + r")\s+\{glue:text\}`(?P<name>[\w-]+)(?::[^`]*)?`")
+# Not bounds on a measurement: thresholds shown as the visible cell prints them ("exp
+# overflows above 88.72") and the package's constants (the lazy step's margin, 20).
+NOT_BOUNDS = {"exp-limit-float16", "exp-limit-float32", "exp-limit-float64", "lazy-margin"}
+
+
+def _bound_problems(text: str) -> list[str]:
+    glued = dict(re.findall(r'glue\(\s*"([\w-]+)",\s*(.+)', text))
+    problems = []
+    for m in _BOUND.finditer(text):
+        name, expr = m["name"], glued.get(m["name"], "")
+        lower = " ".join(m["word"].split()) in _LOWER_WORDS
+        want = "round_down(" if lower else "round_up("
+        if name in NOT_BOUNDS or expr.startswith((want, "int(", "len(")):
+            continue
+        problems.append(f"{m['word']} {name}: glues {expr[:50]!r}, not {want}...)")
+    return problems
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_bounds_in_the_prose_hold_as_printed(page):
+    problems = _bound_problems((BOOK / page).read_text(encoding="utf-8"))
+    assert not problems, "\n".join(problems)
+
+
+def test_the_bound_check_catches_what_it_should():
+    def page(word, expr):
+        return f'Errors {word} {{glue:text}}`e:.2g`.\n```\nglue("e", {expr}, display=False)\n```'
+
+    assert _bound_problems(page("within", "err.max()"))
+    assert _bound_problems(page("at least", "round_up(p, 2)"))
+    assert _bound_problems(page("above", "round_down(x, 2)"))
+    assert not _bound_problems(page("within", "round_up(err.max(), 2)"))
+    assert not _bound_problems(page("at least", "round_down(p, 3)"))
+    assert not _bound_problems(page("more than", "int(count)"))
+    assert not _bound_problems(page("of", "err.max()"))  # not a bound
+    assert _bound_problems(page("never\nbelow", "round_up(m, 3)"))  # a lower bound
+    assert _bound_problems(page("more\nthan", "m.max()"))
+
+
 def test_glue_comes_from_sdpa_book():
     offenders = [_rel(p) for p in SOURCES if "myst_nb" in p.read_text(encoding="utf-8")]
     assert not offenders, f"pages importing myst_nb (use `from sdpa_book import glue`): {offenders}"

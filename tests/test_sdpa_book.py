@@ -12,6 +12,7 @@ from sdpa_book import (
     l2_cache,
     loglog_slope,
     markdown_table,
+    round_down,
     round_up,
     vec,
 )
@@ -139,6 +140,31 @@ def test_round_up_gives_a_bound_that_holds(x, digits, expect):
     assert round_up(x, digits) >= x
 
 
+@pytest.mark.parametrize(
+    ("x", "digits", "expect"),
+    [
+        (0.9646, 3, 0.964),
+        (4.9e-16, 1, 4e-16),
+        (4e-16, 1, 4e-16),
+        (1e-15, 2, 1e-15),
+        (0.123, 2, 0.12),
+        (0.0, 1, 0.0),
+    ],
+)
+def test_round_down_gives_a_bound_that_holds(x, digits, expect):
+    assert round_down(x, digits) == expect
+    assert round_down(x, digits) <= x
+
+
+@pytest.mark.parametrize("rounding", [round_up, round_down])
+def test_the_rounded_bound_prints_as_it_is(rounding):
+    # Formatted with as many significant digits as it was rounded to, the printed number is
+    # the bound itself: on the safe side of the value.
+    for x in np.random.default_rng(0).uniform(0, 1, 200) * 10.0 ** np.arange(-10, 10, 0.1):
+        printed = float(f"{rounding(x, 2):.2g}")
+        assert printed >= x if rounding is round_up else printed <= x
+
+
 def test_round_up_validates():
     with pytest.raises(ValueError, match="non-negative finite"):
         round_up(-1e-16)
@@ -146,6 +172,8 @@ def test_round_up_validates():
         round_up(float("nan"))
     with pytest.raises(ValueError, match="digits must be an int"):
         round_up(1.0, 0)
+    with pytest.raises(ValueError, match="non-negative finite"):
+        round_down(-0.5)
 
 
 def test_l2_cache_reads_the_level_2_entry(tmp_path):

@@ -12,7 +12,7 @@ Modules
 display
     :func:`~sdpa_book.display.glue`, :class:`~sdpa_book.display.Plain`,
     :func:`~sdpa_book.display.vec`, :func:`~sdpa_book.display.markdown_table`,
-    :func:`~sdpa_book.display.round_up`.
+    :func:`~sdpa_book.display.round_up`, :func:`~sdpa_book.display.round_down`.
 timing
     :func:`~sdpa_book.timing.best_time`, :func:`~sdpa_book.timing.loglog_slope`,
     :func:`~sdpa_book.timing.l2_cache`.
@@ -24,7 +24,7 @@ diagrams
 
 from __future__ import annotations
 
-from .display import Plain, glue, markdown_table, round_up, vec
+from .display import Plain, glue, markdown_table, round_down, round_up, vec
 from .timing import best_time, l2_cache, loglog_slope
 
 try:
@@ -43,6 +43,7 @@ __all__ = [
     "l2_cache",
     "loglog_slope",
     "markdown_table",
+    "round_down",
     "round_up",
     "vec",
 ]

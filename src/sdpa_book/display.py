@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from decimal import ROUND_CEILING, Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
 import numpy as np
 
-__all__ = ["Plain", "glue", "markdown_table", "round_up", "vec"]
+__all__ = ["Plain", "glue", "markdown_table", "round_down", "round_up", "vec"]
 
 BUILD_ENV = "SDPA_BOOK_BUILD"
 
@@ -122,7 +122,8 @@ def round_up(x: float, digits: int = 1) -> float:
     """The smallest number of ``digits`` significant digits that is at least ``x``.
 
     A bound stated in the prose ("agree within 5e-16") must hold: formatting a measured
-    4.3e-16 with ``:.0e`` would print 4e-16, below it. Glue ``round_up(x)`` instead.
+    4.3e-16 with ``:.0e`` would print 4e-16, below it. Glue ``round_up(x)`` instead, and
+    format it with as many significant digits (``:.0e`` for one, ``:.2g`` for two).
 
     Parameters
     ----------
@@ -147,6 +148,42 @@ def round_up(x: float, digits: int = 1) -> float:
     >>> f"{round_up(4.3e-16):.0e}", f"{round_up(2.2e-16):.0e}", f"{round_up(0.123, 2):.2g}"
     ('5e-16', '3e-16', '0.13')
     """
+    return _round(x, digits, ROUND_CEILING)
+
+
+def round_down(x: float, digits: int = 1) -> float:
+    """The largest number of ``digits`` significant digits that is at most ``x``.
+
+    The lower bound of :func:`round_up`: "each head puts at least 0.964 of its weight there"
+    must hold, and formatting a measured 0.9646 with ``:.3f`` would print 0.965.
+
+    Parameters
+    ----------
+    x : float
+        A non-negative finite number.
+    digits : int, default 1
+        Significant digits of the result.
+
+    Returns
+    -------
+    float
+        ``x`` rounded down to ``digits`` significant digits (0.0 for 0).
+
+    Raises
+    ------
+    ValueError
+        If ``x`` is negative or not finite, or ``digits`` is smaller than 1.
+
+    Examples
+    --------
+    >>> from sdpa_book import round_down
+    >>> f"{round_down(0.9646, 3):.3g}", f"{round_down(4.9e-16):.0e}"
+    ('0.964', '4e-16')
+    """
+    return _round(x, digits, ROUND_FLOOR)
+
+
+def _round(x: float, digits: int, rounding: str) -> float:
     x = float(x)
     if not math.isfinite(x) or x < 0:
         raise ValueError(f"x must be a non-negative finite number; got {x!r}")
@@ -157,7 +194,7 @@ def round_up(x: float, digits: int = 1) -> float:
     # In decimal, from the shortest text that reads back as x, so that 1e-15 stays 1e-15.
     exact = Decimal(repr(x))
     step = Decimal(1).scaleb(exact.adjusted() - int(digits) + 1)
-    return float(exact.quantize(step, rounding=ROUND_CEILING))
+    return float(exact.quantize(step, rounding=rounding))
 
 
 def markdown_table(
