@@ -124,36 +124,27 @@ def test_best_time_is_the_minimum_and_validates():
 
 
 @pytest.mark.parametrize(
-    ("x", "digits", "expect"),
+    ("rounding", "x", "digits", "expect"),
     [
-        (4.3e-16, 1, 5e-16),
-        (2.2e-16, 1, 3e-16),
-        (4e-16, 1, 4e-16),
-        (1e-15, 2, 1e-15),
-        (9.99e-16, 1, 1e-15),
-        (0.123, 2, 0.13),
-        (0.0, 1, 0.0),
+        (round_up, 4.3e-16, 1, 5e-16),
+        (round_up, 2.2e-16, 1, 3e-16),
+        (round_up, 4e-16, 1, 4e-16),
+        (round_up, 1e-15, 2, 1e-15),
+        (round_up, 9.99e-16, 1, 1e-15),
+        (round_up, 0.123, 2, 0.13),
+        (round_up, 0.0, 1, 0.0),
+        (round_down, 0.9646, 3, 0.964),
+        (round_down, 4.9e-16, 1, 4e-16),
+        (round_down, 4e-16, 1, 4e-16),
+        (round_down, 1e-15, 2, 1e-15),
+        (round_down, 0.123, 2, 0.12),
+        (round_down, 0.0, 1, 0.0),
     ],
 )
-def test_round_up_gives_a_bound_that_holds(x, digits, expect):
-    assert round_up(x, digits) == expect
-    assert round_up(x, digits) >= x
-
-
-@pytest.mark.parametrize(
-    ("x", "digits", "expect"),
-    [
-        (0.9646, 3, 0.964),
-        (4.9e-16, 1, 4e-16),
-        (4e-16, 1, 4e-16),
-        (1e-15, 2, 1e-15),
-        (0.123, 2, 0.12),
-        (0.0, 1, 0.0),
-    ],
-)
-def test_round_down_gives_a_bound_that_holds(x, digits, expect):
-    assert round_down(x, digits) == expect
-    assert round_down(x, digits) <= x
+def test_rounding_gives_a_bound_that_holds(rounding, x, digits, expect):
+    bound = rounding(x, digits)
+    assert bound == expect
+    assert bound >= x if rounding is round_up else bound <= x
 
 
 @pytest.mark.parametrize("rounding", [round_up, round_down])
