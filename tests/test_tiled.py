@@ -777,6 +777,20 @@ def test_base_e_and_base_2_both_give_the_reference(rng, exp, dtype, kind):
     np.testing.assert_allclose(m + np.log(ell), lse, **TOL[dtype])
 
 
+@pytest.mark.parametrize("size, retried", [(1.0, 0), (6.0, 1)])
+def test_a_worker_stops_trying_the_shift_zero_once_it_fails(rng, size, retried):
+    # 6 heads of 64 queries in blocks of 16: 24 units on one worker, one key tile each. With
+    # scores of size 1 the shift 0 always holds; with scores of size about 36 it fails on the
+    # first unit, which then takes the exact step, and the worker starts the 23 others there.
+    q, k, v = (size * rng.standard_normal((6, 64, 8)) for _ in range(3))
+    stats = TileStats()
+    problem = prepare_attention(q, k, v)
+    out, lse = attention_tiled(problem, block_q=16, block_k=64, num_threads=1, stats=stats)
+    assert (stats.units, stats.computed, stats.retried) == (24, 24, retried)
+    assert stats.rescaled == (0 if size == 1.0 else 24)
+    assert_same(problem.finish(out, lse=lse), reference(q, k, v))
+
+
 def test_tile_exponential_is_exp_or_exp2():
     for dtype in (np.float32, np.float64):
         chosen = tile_exponential(dtype)

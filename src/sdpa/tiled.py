@@ -23,7 +23,8 @@ What matters for speed on a CPU, where every NumPy call is a full pass over a ti
   breaks the bound is recomputed with a new shift (the classical rescaling). Without a mask or
   a bias every row starts at ``m = 0``: exact unless the row's scores all lie more than
   ``LAZY_MARGIN`` below zero, which its final sum ``l`` shows (the unit is then redone from
-  the exact step). Most tiles thus cost two matrix products, one exponential and one
+  the exact step); a worker whose last unit's shifts ended farther than ``LAZY_MARGIN`` from
+  zero starts its next unit from the exact step. Most tiles thus cost two matrix products, one exponential and one
   matrix-vector product for the row sums (``p @ 1``, cheaper than a column of ones on the
   values, which widens the second product past BLAS's panel width): no pass for the row
   maximum, none for the subtraction, no rescaling of ``acc``;
@@ -134,12 +135,15 @@ class TileStats:
     redone : int
         Work units walked a second time, from the exact step, because a row's scores all lay
         too far below the shift ``m = 0`` that units without a mask or a bias start from.
+    retried : int
+        Computed tiles whose lazy step broke the bound and were computed again by the exact
+        step (counted once in ``computed``).
 
     Examples
     --------
     >>> from sdpa.tiled import TileStats
     >>> TileStats()
-    TileStats(units=0, computed=0, rescaled=0, skipped_band=0, skipped_mask=0, redone=0)
+    TileStats(units=0, computed=0, rescaled=0, skipped_band=0, skipped_mask=0, redone=0, retried=0)
     """
 
     units: int = 0
@@ -148,6 +152,7 @@ class TileStats:
     skipped_band: int = 0
     skipped_mask: int = 0
     redone: int = 0
+    retried: int = 0
 
 
 def _tile_kind(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> int:
@@ -527,6 +532,10 @@ class _Worker:
         self.skipped_mask = 0
         self.rescaled = 0
         self.redone = 0
+        self.retried = 0
+        # Whether the shift 0 failed on this worker's last unit (a score beyond LAZY_MARGIN of
+        # zero): the next unit then starts from the exact step rather than waste a tile on it.
+        self.zero_failed = False
 
     # -- one work unit ---------------------------------------------------------------------
 
@@ -538,13 +547,16 @@ class _Worker:
         again from the exact step.
         """
         plan = self.plan
-        at_zero = plan.allowed is None and plan.bias is None and not plan.may_overflow
+        may_start_at_zero = plan.allowed is None and plan.bias is None and not plan.may_overflow
+        at_zero = may_start_at_zero and not self.zero_failed
         self.start_unit(o, t0, t1, at_zero)
         self.walk(t0, t1)
         if at_zero and not self.ell.min() >= LAZY_FLOOR:  # (NaN fails too)
             self.redone += 1
             self.start_unit(o, t0, t1, at_zero=False)
             self.walk(t0, t1)
+        if may_start_at_zero:  # would 0 have served? (m is 0, or the rows' maxima, or close)
+            self.zero_failed = not np.abs(self.m).max() <= LAZY_MARGIN * plan.unit
         self.write_result(o, t0, t1)
 
     def walk(self, t0: int, t1: int) -> None:
@@ -562,8 +574,10 @@ class _Worker:
                 self.skipped_mask += 1
                 continue
             self.computed += 1
-            if self.all_started and not plan.may_overflow and self.lazy_step(s0, s1, disallowed):
-                continue
+            if self.all_started and not plan.may_overflow:
+                if self.lazy_step(s0, s1, disallowed):
+                    continue
+                self.retried += 1
             self.exact_step(s0, s1, disallowed)
 
     def start_unit(self, o: tuple, t0: int, t1: int, at_zero: bool) -> None:
@@ -904,6 +918,7 @@ def attention_tiled(
         stats.skipped_mask += sum(w.skipped_mask for w in workers)
         stats.rescaled += sum(w.rescaled for w in workers)
         stats.redone += sum(w.redone for w in workers)
+        stats.retried += sum(w.retried for w in workers)
         stats.skipped_band += total - sum(u[0] for u in units)
     bs = problem.batch_shape
     out, lse = plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
