@@ -29,9 +29,10 @@ What matters for speed on a CPU, where every NumPy call is a full pass over a ti
   values, which widens the second product past BLAS's panel width): no pass for the row
   maximum, none for the subtraction, no rescaling of ``acc``;
 * once a shift has moved, it is folded into the first product, ``[q * scale | -m] @ [k | 1]^T``
-  (the keys are widened by a column of ones, per head, when first needed);
+  (the unit's keys are then copied once, with a column of ones);
 * exactness whatever the bias: the rescaling step works on the raw scores (nothing folded in,
-  rounded as the reference path rounds them), and a shift is folded in only while
+  rounded as the reference path rounds them, in base e: base 2 is used only without a bias),
+  and a shift is folded in only while
   ``|m| <= FOLD_LIMIT``. A row whose scores are dominated by a huge bias (a float mask of
   ``finfo.min`` or ``-1e9``, as padding masks are often written) subtracts its shift after the
   product instead, since ``fl(q.k - m)`` would round ``q.k`` away;
@@ -76,6 +77,7 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_ROWS",
     "BLOCK_ROWS_FULL",
+    "EXP2_TIME_RATIO",
     "FOLD_LIMIT",
     "LAZY_MARGIN",
     "TileStats",
@@ -262,44 +264,12 @@ def tile_map(
 # ----------------------------------------------------------------------------------------
 
 
-class _Widened:
-    """``[x | 1 | 0 ...]``: each head ``(S, D)`` of an input ``(..., S, D)`` with a column of
-    ones and zeros up to ``width`` columns, built by the first worker that needs the head.
-
-    The keys need the column of ones only once a row's shift is folded into the first product,
-    so the copies are made head by head, by the workers, and only for the heads that need them
-    (4 x 8 heads of 1024 keys: copying them all took about 1.2 ms on one core).
-    """
-
-    def __init__(self, x: np.ndarray, width: int, dtype, index: np.ndarray):
-        self.x = x
-        self.heads = np.empty((*x.shape[:-1], width), dtype).reshape(-1, x.shape[-2], width)
-        self.index = index  # (*outer,): which head of x each outer index reads
-        self.built = np.zeros(len(self.heads), dtype=bool)
-        self.locks = [threading.Lock() for _ in range(min(len(self.heads), 64))]
-
-    def __getitem__(self, o: tuple) -> np.ndarray:
-        """The widened head that outer index ``o`` reads, ``(S, width)``."""
-        i = int(self.index[o])
-        if not self.built[i]:
-            with self.locks[i % len(self.locks)]:  # another worker may be building it
-                if not self.built[i]:
-                    D = self.x.shape[-1]
-                    head = self.heads[i]
-                    head[:, :D] = self.x[np.unravel_index(i, self.x.shape[:-2])]
-                    head[:, D] = 1
-                    head[:, D + 1 :] = 0
-                    self.built[i] = True
-        return self.heads[i]
-
-
 @dataclass
 class _Plan:
     """Everything a worker needs, as views shaped ``(*outer, F, ...)`` or ``(*outer, ...)``."""
 
     q: np.ndarray  # (*outer, F, T, Dk)
     k: np.ndarray  # (*outer, S, Dk) view of the keys
-    k1: _Widened  # k1[o]: (S, Dk + 1), the keys with a column of ones
     v: np.ndarray  # (*outer, S, Dv) view of the values
     allowed: np.ndarray | None  # (*outer, F, T, S) bool view, or None
     bias: np.ndarray | None  # (*outer, F, T, S) view, or None
@@ -368,6 +338,8 @@ def tile_plan_sizes(
 
 
 LOG2E = 1 / math.log(2)  # 2 ** (x * LOG2E) = e ** x
+#: ``exp2`` is the tiles' default exponential where it takes at most this share of ``exp``'s time.
+EXP2_TIME_RATIO = 0.8
 
 
 def tile_exponential(dtype) -> Callable[..., np.ndarray]:
@@ -375,9 +347,9 @@ def tile_exponential(dtype) -> Callable[..., np.ndarray]:
     for ``dtype``, else ``numpy.exp``: the default exponential of :func:`attention_tiled`.
 
     Measured once per process and dtype (a fraction of a millisecond): the best of five
-    interleaved calls on 65,536 numbers; ``exp2`` is chosen when it takes at most 0.8 times
-    as long. Where NumPy computes ``exp2`` with the vector library SVML (Linux on CPUs with
-    AVX-512), float32 ``exp2`` ran 2.1 times as fast as ``exp`` and is correctly rounded to
+    interleaved calls on 65,536 numbers; ``exp2`` is chosen when it takes at most
+    ``EXP2_TIME_RATIO`` (0.8) times as long. Where NumPy computes ``exp2`` with the vector library SVML (Linux on CPUs with
+    AVX-512; measured on an AMD EPYC Zen 4), float32 ``exp2`` ran 2.1 times as fast as ``exp`` and is correctly rounded to
     within 1 ulp (``exp`` to 2.4 ulp); elsewhere ``exp2`` may be a scalar loop, many times
     slower. (SVML's ``exp2`` is slow on ``-inf`` and on results that underflow: the kernel
     zeroes a tile's disallowed entries after the exponential rather than set them to ``-inf``
@@ -420,7 +392,7 @@ def _faster_exponential(dtype: np.dtype) -> Callable[..., np.ndarray]:
             start = time.perf_counter()
             f(x, out=y)
             best[f] = min(best[f], time.perf_counter() - start)
-    return np.exp2 if best[np.exp2] <= 0.8 * best[np.exp] else np.exp
+    return np.exp2 if best[np.exp2] <= EXP2_TIME_RATIO * best[np.exp] else np.exp
 
 
 def _make_plan(
@@ -441,10 +413,6 @@ def _make_plan(
         full = np.broadcast_to(a, (*bs, S, last))
         return full[..., 0, :, :] if fold else full
 
-    def head_index(a):  # which head of a (..., S, last) array each outer index reads
-        index = np.arange(int(np.prod(a.shape[:-2], dtype=np.int64))).reshape(a.shape[:-2])
-        return np.broadcast_to(index, (*outer, 1))[..., 0] if fold else np.broadcast_to(index, bs)
-
     # Base 2: the scores are computed in units of ln 2 (the query's scale times LOG2E), so
     # that the tiles' exponential is exp2. Not with a float bias (bias * LOG2E can overflow
     # where the bias did not) nor where scores may overflow.
@@ -463,7 +431,6 @@ def _make_plan(
     return _Plan(
         q=rows_view(problem.query, Dk),
         k=heads_view(problem.key, Dk),
-        k1=_Widened(problem.key, Dk + 1, dtype, head_index(problem.key)),
         v=heads_view(problem.value, Dv),
         allowed=allowed,
         bias=bias,
@@ -525,6 +492,9 @@ class _Worker:
         self.acc_buf = np.empty(rows * plan.Dv, dtype)  # running sum of exp(scores - m) @ v
         self.ell_buf = np.empty(rows, dtype)  # running sum of exp(scores - m): l
         self.ones = np.ones(bk, dtype)
+        # [k | 1] of a unit's head, (S, Dk + 1): made (by copying the keys) only for a unit
+        # that folds a shift into the first product, which inputs of moderate scores never do
+        self.k1_buf: np.ndarray | None = None
         self.m_buf = np.empty(rows, dtype)  # running shift of each row
         self.unfolded_buf = np.empty(rows, dtype)  # m of the rows whose shift is not folded in
         self.band_cache: dict = {}
@@ -605,9 +575,8 @@ class _Worker:
         self.folded = self.q_shifted[:, Dk]  # -m for the rows whose shift is folded in, else 0
         self.folded.fill(0)
         self.any_folded = False  # while no shift is folded in, the keys need no column of ones
-        self.o = o
         self.k = plan.k[o]  # (S, Dk)
-        self.k1 = None  # (S, Dk + 1), [k | 1], fetched once a shift is folded in
+        self.k1 = None  # (S, Dk + 1), [k | 1], made once a shift is folded in
         self.allowed = None if plan.allowed is None else plan.allowed[o]  # (F, T, S)
         self.bias = None if plan.bias is None else plan.bias[o]  # (F, T, S)
         self.m = self.m_buf[:rows]  # the shift of each row; 0 until it has met an allowed key
@@ -688,8 +657,8 @@ class _Worker:
     def exact_step(self, s0: int, s1: int, disallowed) -> None:
         """The online softmax as written, on the raw scores, moving each row's shift ``m``.
 
-        The raw scores (nothing folded in, so they are rounded exactly as the reference path
-        rounds them) give the new maximum ``m_new = max(m, rowmax)``; the old sums are rescaled
+        The raw scores (nothing folded in, so in base e they are rounded exactly as the
+        reference path rounds them) give the new maximum ``m_new = max(m, rowmax)``; the old sums are rescaled
         by ``alpha = exp(m - m_new)``. A row meeting its first allowed key starts at that
         tile's maximum. Then the shift is folded into ``q_shifted`` again for the rows where
         that is exact (``|m| <= FOLD_LIMIT``), and kept in ``unfolded`` for the others.
@@ -735,6 +704,15 @@ class _Worker:
         np.matmul(probs, self.v[s0:s1], out=self.tile_out)  # (rows, bk) @ (bk, Dv)
         np.matmul(probs, self.ones[: s1 - s0], out=self.tile_ell)  # (rows, bk) @ (bk,)
 
+    def keys_with_ones(self) -> np.ndarray:
+        """``[k | 1]``: the unit's keys with a column of ones, ``(S, Dk + 1)``."""
+        plan = self.plan
+        if self.k1_buf is None:
+            self.k1_buf = np.empty((plan.S, plan.Dk + 1), plan.dtype)
+            self.k1_buf[:, plan.Dk] = 1
+        self.k1_buf[:, : plan.Dk] = self.k
+        return self.k1_buf
+
     def shifted_scores(self, scores, s0, s1, disallowed, unfolded, check=False) -> None:
         """``scores = scale * q k^T - folded + bias - unfolded`` on one tile (each row's shift
         ``m`` is in ``folded`` or in ``unfolded``), disallowed entries set to ``-inf``.
@@ -744,7 +722,7 @@ class _Worker:
         plan = self.plan
         if self.any_folded:
             if self.k1 is None:
-                self.k1 = plan.k1[self.o]
+                self.k1 = self.keys_with_ones()
             np.matmul(self.q_shifted, self.k1[s0:s1].T, out=scores)  # (rows, Dk+1) @ (Dk+1, bk)
         else:
             np.matmul(self.q_scaled, self.k[s0:s1].T, out=scores)  # (rows, Dk) @ (Dk, bk)
