@@ -435,8 +435,9 @@ _UPPER_WORDS = ["within", "at most", "less than", "more than", "above", "below",
 _WORDS = "|".join(w.replace(" ", r"\s+") for w in _LOWER_WORDS + _UPPER_WORDS)
 _BOUND = re.compile(r"\b(?P<word>" + _WORDS + r")\s+\{glue:text\}`(?P<name>[\w-]+)(?::[^`]*)?`")
 # Not bounds on a measurement: thresholds shown as the visible cell prints them ("exp
-# overflows above 88.72") and the package's constants (the lazy step's margin, 20).
-NOT_BOUNDS = {"exp-limit-float16", "exp-limit-float32", "exp-limit-float64", "lazy-margin"}
+# overflows above 88.72"). The package's constants (tiled.LAZY_MARGIN) are exact too.
+NOT_BOUNDS = {"exp-limit-float16", "exp-limit-float32", "exp-limit-float64"}
+_CONSTANT = re.compile(r"(\w+\.)*[A-Z][A-Z0-9_]+\s*,")
 
 
 def _bound_problems(text: str) -> list[str]:
@@ -446,7 +447,8 @@ def _bound_problems(text: str) -> list[str]:
         name, expr = m["name"], glued.get(m["name"], "")
         lower = " ".join(m["word"].split()) in _LOWER_WORDS
         want = "round_down(" if lower else "round_up("
-        if name in NOT_BOUNDS or expr.startswith((want, "int(", "len(")):
+        exact = expr.startswith(("int(", "len(")) or _CONSTANT.match(expr)
+        if name in NOT_BOUNDS or exact or expr.startswith(want):
             continue
         problems.append(f"{m['word']} {name}: glues {expr[:50]!r}, not {want}...)")
     return problems
@@ -468,6 +470,8 @@ def test_the_bound_check_catches_what_it_should():
     assert not _bound_problems(page("within", "round_up(err.max(), 2)"))
     assert not _bound_problems(page("at least", "round_down(p, 3)"))
     assert not _bound_problems(page("more than", "int(count)"))
+    assert not _bound_problems(page("at most", "tiled.LAZY_MARGIN"))  # a constant
+    assert _bound_problems(page("at most", "tiled.LAZY_MARGIN * err"))
     assert not _bound_problems(page("of", "err.max()"))  # not a bound
     assert _bound_problems(page("never\nbelow", "round_up(m, 3)"))  # a lower bound
     assert _bound_problems(page("more\nthan", "m.max()"))
