@@ -46,12 +46,15 @@ def default_num_threads() -> int:
 
 @contextlib.contextmanager
 def single_threaded_blas() -> Iterator[None]:
-    """Hold BLAS to one thread for the duration of a ``with`` block.
+    """Hold BLAS to one thread for the duration of a ``with`` block, from any thread.
 
     BLAS's thread count is a setting of the whole process, so overlapping blocks in several
     threads share one limit: the first to enter saves the setting and limits it, the last to
     leave restores it. (Each block restoring what it saw on entry would leave BLAS at one
-    thread whenever two blocks overlap and the first finishes first.)
+    thread whenever two blocks overlap and the first finishes first.) The first and the last
+    may be different threads: threadpoolctl (from 3.8) lets only one "controlling" thread
+    change an OpenBLAS built with pthreads and silently ignores the others, so each change
+    made here takes control for itself and gives it up at once (:func:`_change_blas`).
 
     Yields
     ------
@@ -66,14 +69,10 @@ def single_threaded_blas() -> Iterator[None]:
     >>> float(x[0, 0])
     64.0
     """
-    global _controller, _blas_holders, _blas_limiter
+    global _blas_holders, _blas_limiter
     with _blas_lock:
         if _blas_holders == 0:
-            from threadpoolctl import ThreadpoolController
-
-            if _controller is None:
-                _controller = ThreadpoolController()  # inspecting the libraries is slow
-            _blas_limiter = _controller.limit(limits=1, user_api="blas")
+            _blas_limiter = _change_blas(lambda c: c.limit(limits=1, user_api="blas"))
         _blas_holders += 1
     try:
         yield
@@ -81,8 +80,39 @@ def single_threaded_blas() -> Iterator[None]:
         with _blas_lock:
             _blas_holders -= 1
             if _blas_holders == 0 and _blas_limiter is not None:
-                _blas_limiter.restore_original_limits()
+                _change_blas(lambda c: _blas_limiter.restore_original_limits())
                 _blas_limiter = None
+
+
+def _change_blas(change: Callable):
+    """``change(controller)`` as the thread that controls BLAS's settings, whichever this is.
+
+    threadpoolctl 3.8 records the first thread that changes a pthreads OpenBLAS as its only
+    controller and ignores the changes of every other thread; its own ``with`` blocks hand
+    control back when they end. A change made here does the same: control is released before
+    (whoever held it last) and after, so the next change, from any thread, takes effect.
+    Called under ``_blas_lock``.
+    """
+    global _controller
+    from threadpoolctl import ThreadpoolController
+
+    if _controller is None:
+        _controller = ThreadpoolController()  # inspecting the libraries is slow: once
+    release = _release_blas_control()
+    release()
+    try:
+        return change(_controller)
+    finally:
+        release()
+
+
+def _release_blas_control() -> Callable[[], None]:
+    """A function that makes no thread the controller of OpenBLAS (a no-op before 3.8)."""
+    import threadpoolctl
+
+    openblas = getattr(threadpoolctl, "OpenBLASController", None)
+    clear = getattr(openblas, "clear_controlling_thread", None)
+    return (lambda: clear(force=True)) if clear is not None else (lambda: None)
 
 
 def run_in_threads(tasks: list[Callable[[], object]]) -> list:

@@ -55,8 +55,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import threading
-import time
+import platform
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,11 +77,11 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_ROWS",
     "BLOCK_ROWS_FULL",
-    "EXP2_TIME_RATIO",
     "FOLD_LIMIT",
     "LAZY_MARGIN",
     "TileStats",
     "attention_tiled",
+    "svml_exp2",
     "tile_exponential",
     "tile_map",
 ]
@@ -295,6 +295,7 @@ class _Plan:
     problem: AttentionProblem  # for error messages
     exp: Callable[..., np.ndarray]  # the tiles' exponential, exp(x, out=x)
     base_exp: Callable[..., np.ndarray]  # the true one of the base (np.exp or np.exp2)
+    v_exp: np.ndarray | None  # (Dv,) int: the values were scaled by 2 ** -v_exp (or None)
 
 
 def _fold_axis(problem: AttentionProblem) -> bool:
@@ -318,7 +319,8 @@ def tile_plan_sizes(
     """``(F, block_q, block_k)``: the heads folded into a tile's rows and the tile sizes.
 
     The last batch axis is folded into the query rows when keys and values do not vary along
-    it (``F`` of its heads share one key tile); ``block_q`` defaults to about ``BLOCK_ROWS``
+    it (``F`` of its heads share one key tile); both tile sizes are clipped to the problem's
+    ``T`` and ``S``; ``block_q`` defaults to about ``BLOCK_ROWS``
     rows after folding, ``block_k`` to ``BLOCK_K``. Without a band (no causal mask, no
     window) the rows go up to ``BLOCK_ROWS_FULL``, as long as the ``num_threads`` threads
     (default :func:`sdpa.threads.default_num_threads`) still get a work unit each.
@@ -334,26 +336,26 @@ def tile_plan_sizes(
         block_q = max(1, rows // F)
     if block_k is None:
         block_k = BLOCK_K.get(problem.work_dtype, 512)
-    return F, int(block_q), int(block_k)
+    # Never larger than the problem: the workers' buffers are sized by the tiles.
+    return F, int(min(block_q, max(problem.T, 1))), int(min(block_k, max(problem.S, 1)))
 
 
 LOG2E = 1 / math.log(2)  # 2 ** (x * LOG2E) = e ** x
-#: ``exp2`` is the tiles' default exponential where it takes at most this share of ``exp``'s time.
-EXP2_TIME_RATIO = 0.8
 
 
 def tile_exponential(dtype) -> Callable[..., np.ndarray]:
-    """``numpy.exp2`` if NumPy's ``exp2`` is clearly faster than its ``exp`` on this machine
-    for ``dtype``, else ``numpy.exp``: the default exponential of :func:`attention_tiled`.
+    """``numpy.exp2`` where NumPy computes it with SVML for ``dtype``, else ``numpy.exp``: the
+    default exponential of :func:`attention_tiled`.
 
-    Measured once per process and dtype (a fraction of a millisecond): the best of five
-    interleaved calls on 65,536 numbers; ``exp2`` is chosen when it takes at most
-    ``EXP2_TIME_RATIO`` (0.8) times as long. Where NumPy computes ``exp2`` with the vector library SVML (Linux on CPUs with
-    AVX-512; measured on an AMD EPYC Zen 4), float32 ``exp2`` ran 2.1 times as fast as ``exp`` and is correctly rounded to
-    within 1 ulp (``exp`` to 2.4 ulp); elsewhere ``exp2`` may be a scalar loop, many times
-    slower. (SVML's ``exp2`` is slow on ``-inf`` and on results that underflow: the kernel
-    zeroes a tile's disallowed entries after the exponential rather than set them to ``-inf``
-    before it.)
+    Decided from what the machine and NumPy's build are, never from a timing, so that every
+    process on one machine computes the same bits: ``exp2`` for float32 on Linux x86-64 when
+    NumPy dispatches its AVX-512 (SKX) loops, which hand float32 ``exp2`` to Intel's vector
+    math library SVML. There it ran 1.8 to 2.1 times as fast as ``exp`` (Intel Xeon Sapphire
+    Rapids, AMD EPYC Zen 4) and is correctly rounded to within 1 ulp (``exp`` to 2.4 ulp).
+    Float64 ``exp2`` gained at most 15 % there, and elsewhere ``exp2`` may be a scalar loop,
+    many times slower, so both take ``exp``. (SVML's ``exp2`` is slow on ``-inf`` and on
+    results that underflow: the kernel zeroes a tile's disallowed entries after the
+    exponential rather than set them to ``-inf`` before it.)
 
     Parameters
     ----------
@@ -363,36 +365,43 @@ def tile_exponential(dtype) -> Callable[..., np.ndarray]:
     Returns
     -------
     numpy.ufunc
-        ``numpy.exp2`` or ``numpy.exp``, the same object for every call with this dtype.
+        ``numpy.exp2`` or ``numpy.exp``.
 
     Examples
     --------
     >>> import numpy as np
     >>> from sdpa.tiled import tile_exponential
-    >>> tile_exponential(np.float32) in (np.exp, np.exp2)
+    >>> tile_exponential(np.float64) is np.exp  # exp2 is never chosen in float64
+    True
+    >>> tile_exponential(np.float32) is (np.exp2 if svml_exp2() else np.exp)
     True
     """
-    dtype = np.dtype(dtype)
-    with _exponentials_lock:  # one measurement per dtype, even when threads ask at once
-        if dtype not in _exponentials:
-            _exponentials[dtype] = _faster_exponential(dtype)
-        return _exponentials[dtype]
+    return np.exp2 if np.dtype(dtype) == np.float32 and svml_exp2() else np.exp
 
 
-_exponentials: dict = {}  # dtype -> np.exp or np.exp2, measured by tile_exponential
-_exponentials_lock = threading.Lock()
+@functools.cache
+def svml_exp2() -> bool:
+    """Whether NumPy computes float32 ``exp2`` with SVML here: Linux, x86-64, and the AVX-512
+    (SKX) loops enabled (``NPY_DISABLE_CPU_FEATURES`` can turn them off).
 
+    Returns
+    -------
+    bool
+        What NumPy's build and its CPU-feature detection say; the same in every process.
 
-def _faster_exponential(dtype: np.dtype) -> Callable[..., np.ndarray]:
-    x = np.linspace(-20, 0, 1 << 16, dtype=dtype)
-    y = np.empty_like(x)
-    best = {np.exp: math.inf, np.exp2: math.inf}
-    for _ in range(5):
-        for f in best:
-            start = time.perf_counter()
-            f(x, out=y)
-            best[f] = min(best[f], time.perf_counter() - start)
-    return np.exp2 if best[np.exp2] <= EXP2_TIME_RATIO * best[np.exp] else np.exp
+    Examples
+    --------
+    >>> from sdpa.tiled import svml_exp2
+    >>> svml_exp2() in (True, False)
+    True
+    """
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:  # pragma: no cover - NumPy 1.x
+        from numpy.core._multiarray_umath import __cpu_features__
+    return bool(__cpu_features__.get("AVX512_SKX", False))
 
 
 def _make_plan(
@@ -428,10 +437,13 @@ def _make_plan(
     if problem.bias is not None:
         bias = rows_view(problem.bias, S)
     lo, hi = problem.band
+    value, v_exp = problem.value, _value_exponents(problem.value, S)
+    if v_exp is not None:
+        value = np.ldexp(value, -v_exp)  # exact: a power of two per column
     return _Plan(
         q=rows_view(problem.query, Dk),
         k=heads_view(problem.key, Dk),
-        v=heads_view(problem.value, Dv),
+        v=heads_view(value, Dv),
         allowed=allowed,
         bias=bias,
         out=np.empty((*outer, F, T, Dv), dtype=dtype),
@@ -456,7 +468,31 @@ def _make_plan(
         problem=problem,
         exp=exp,
         base_exp=np.exp2 if base2 else np.exp,
+        v_exp=v_exp,
     )
+
+
+def _value_exponents(value: np.ndarray, S: int) -> np.ndarray | None:
+    """Powers of two ``e`` (one per column of the values, ``(Dv,)`` int) that bring each
+    column's largest ``|v|`` into ``[0.5, 1)``; None when no column needs it.
+
+    The accumulator sums up to ``S`` terms ``exp(score - m) * v`` whose weights reach
+    ``LAZY_BOUND`` (the shift lags the row maximum) where the reference path's weights are at
+    most 1, and drop to ``LAZY_FLOOR`` (a row at the shift 0) where the reference path's
+    largest weight is at least ``1 / S``. Values within ``4 S LAZY_BOUND`` of the dtype's
+    largest number would overflow it, values within ``2 ** 64`` of its smallest normal number
+    would lose digits to subnormal numbers; their columns are scaled by ``2 ** -e`` (exact)
+    and the result by ``2 ** e``. Other inputs are left alone, bit for bit.
+    """
+    finfo = np.finfo(value.dtype)
+    axes = tuple(range(value.ndim - 1))
+    top = np.maximum(np.max(value, axis=axes), -np.min(value, axis=axes))  # (Dv,): max |v|
+    high = finfo.max / (4 * LAZY_BOUND * S)
+    low = float(finfo.smallest_normal) * 2.0**64
+    scale = np.isfinite(top) & (top > 0) & ((top > high) | (top < low))
+    if not scale.any():
+        return None
+    return np.where(scale, np.frexp(top)[1], 0).astype(np.int32)
 
 
 # The shift m of a row is folded into the first matrix product only while |m| is at most this.
@@ -503,9 +539,6 @@ class _Worker:
         self.rescaled = 0
         self.redone = 0
         self.retried = 0
-        # Whether the shift 0 failed on this worker's last unit (a score beyond LAZY_MARGIN of
-        # zero): the next unit then starts from the exact step rather than waste a tile on it.
-        self.zero_failed = False
 
     # -- one work unit ---------------------------------------------------------------------
 
@@ -514,23 +547,26 @@ class _Worker:
 
         Without a mask or a bias the unit first tries the shift ``m = 0`` for every row (see
         :meth:`start_unit`); if a row's scores turn out too small for it, the unit is walked
-        again from the exact step.
+        again from the exact step. What a unit computes depends on its own inputs only, not
+        on the units the worker took before it, so that every thread count and every order in
+        which the threads take the units give the same bits.
         """
         plan = self.plan
-        may_start_at_zero = plan.allowed is None and plan.bias is None and not plan.may_overflow
-        at_zero = may_start_at_zero and not self.zero_failed
+        at_zero = plan.allowed is None and plan.bias is None and not plan.may_overflow
         self.start_unit(o, t0, t1, at_zero)
-        self.walk(t0, t1)
-        if at_zero and not self.ell.min() >= LAZY_FLOOR:  # (NaN fails too)
+        if not self.walk(t0, t1, at_zero):
             self.redone += 1
             self.start_unit(o, t0, t1, at_zero=False)
-            self.walk(t0, t1)
-        if may_start_at_zero:  # would 0 have served? (m is 0, or the rows' maxima, or close)
-            self.zero_failed = not np.abs(self.m).max() <= LAZY_MARGIN * plan.unit
+            self.walk(t0, t1, at_zero=False)
         self.write_result(o, t0, t1)
 
-    def walk(self, t0: int, t1: int) -> None:
-        """Add up the unit's key tiles: for each, its mask, then the lazy or the exact step."""
+    def walk(self, t0: int, t1: int, at_zero: bool) -> bool:
+        """Add up the unit's key tiles: for each, its mask, then the lazy or the exact step.
+
+        Returns False when a unit started ``at_zero`` must be redone: a row's sum ``l`` is
+        below ``LAZY_FLOOR`` at the end, or already after the first tile for a row that met a
+        key there (so scores far below zero waste one tile, not the whole walk).
+        """
         plan = self.plan
         first, stop = _key_block_range(t0, t1, plan.S, plan.block_k, plan.offset, plan.lo, plan.hi)
         key_start, key_stop = _band_keys(t0, t1, plan.S, plan.offset, plan.lo, plan.hi)
@@ -544,11 +580,29 @@ class _Worker:
                 self.skipped_mask += 1
                 continue
             self.computed += 1
-            if self.all_started and not plan.may_overflow:
-                if self.lazy_step(s0, s1, disallowed):
-                    continue
-                self.retried += 1
-            self.exact_step(s0, s1, disallowed)
+            lazy = self.all_started and not plan.may_overflow
+            if not (lazy and self.lazy_step(s0, s1, disallowed)):
+                self.retried += lazy
+                self.exact_step(s0, s1, disallowed)
+            if at_zero and b == first and not self.sums_hold(self.rows_meeting(t0, t1, s0, s1)):
+                return False
+        return not at_zero or self.sums_hold(slice(None))
+
+    def sums_hold(self, rows) -> bool:
+        """Whether every one of ``rows`` has ``l >= LAZY_FLOOR`` (NaN fails too)."""
+        ell = self.ell[rows]
+        return ell.size == 0 or bool(ell.min() >= LAZY_FLOOR)
+
+    def rows_meeting(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
+        """``(rows,)`` bool: the unit's rows that the band allows some key of ``s0:s1``."""
+        plan = self.plan
+        i = np.arange(t0, t1) + plan.offset
+        meets = np.ones(t1 - t0, dtype=bool)
+        if plan.lo is not None:
+            meets &= i + plan.lo <= s1 - 1
+        if plan.hi is not None:
+            meets &= i + plan.hi >= s0
+        return np.tile(meets, plan.F)
 
     def start_unit(self, o: tuple, t0: int, t1: int, at_zero: bool) -> None:
         """Views of the unit's inputs and buffers; the running state at its initial values.
@@ -633,7 +687,7 @@ class _Worker:
         ``exp(scores - m)`` is exact as long as no score exceeds ``m`` by more than
         ``LAZY_MARGIN`` (then nothing overflows), which the tile's row sums prove; and ``l``
         stays large enough: ``l >= 1`` once ``m`` is an actual score, ``l >= LAZY_FLOOR`` at
-        the shift 0 (checked by :meth:`run` at the unit's end). A tile that fails is redone by
+        the shift 0 (checked by :meth:`walk` after the first tile and at the unit's end). A tile that fails is redone by
         :meth:`exact_step`.
 
         Disallowed entries are zeroed after the exponential rather than set to ``-inf``
@@ -647,9 +701,11 @@ class _Worker:
         plan.exp(scores, out=scores)  # the probabilities, unnormalised: exp(scores - m)
         if disallowed is not None:
             np.copyto(scores.reshape(plan.F, -1, s1 - s0), 0, where=disallowed)
-        self.tile_products(scores, s0, s1)
+        # The row sums first: a tile that fails the bound costs no second product.
+        np.matmul(scores, self.ones[: s1 - s0], out=self.tile_ell)  # (rows, bk) @ (bk,)
         if not self.tile_ell.max() <= LAZY_BOUND:  # (NaN fails too)
             return False
+        np.matmul(scores, self.v[s0:s1], out=self.tile_out)  # (rows, bk) @ (bk, Dv)
         self.acc += self.tile_out
         self.ell += self.tile_ell
         return True
@@ -754,6 +810,8 @@ class _Worker:
         np.divide(1, ell, out=inv, where=seen)
         out = plan.out[o][:, t0:t1, :]  # (F, bq, Dv) view of the result
         np.multiply(self.acc.reshape(F, bq, Dv), inv.reshape(F, bq, 1), out=out)
+        if plan.v_exp is not None:
+            np.ldexp(out, plan.v_exp, out=out)  # undo the values' scaling (exact)
         m = self.m if plan.unit == 1.0 else self.m / plan.unit  # the shift in natural units
         lse = np.full(rows, -np.inf, dtype=plan.dtype)
         np.log(ell, out=lse, where=seen)
