@@ -6,6 +6,8 @@
   included), grouped-query and multi-query heads, bool and float masks (``finfo.min``, -1e9,
   -inf and 0 in per-row, per-tile and padding patterns), both causal alignments, sliding
   windows, float16/32/64 and tile sizes of 1, odd sizes and sizes larger than ``S``;
+* the tiled path called from a thread pool against the same call from the main thread (bit for
+  bit), with values near each dtype's largest and smallest normal numbers;
 * linear attention against its quadratic form, written out with an explicit mask;
 * decoding with a :class:`sdpa.KVCache` (appends of several tokens, crops, grouped heads)
   against causal attention over the whole sequence.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -232,6 +235,48 @@ def test_tiled_equals_reference_forward_and_backward(p):
     for g, w, what in zip(given_tiled, grads_ref, ("d_query", "d_key", "d_value")):
         scale = float(np.abs(w).max()) if w.size else 0.0
         assert_close(g, w, backward_tol(p["dtype"], 4 * scale), what + " from out, lse")
+
+
+# ---------------------------------------------------------------------------------------------
+# ... from any thread, and with values near the ends of the range
+# ---------------------------------------------------------------------------------------------
+
+
+def in_a_thread(fn):
+    """``fn()`` in a worker thread of a pool, as a web server's handler would call it."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return pool.submit(fn).result()
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(p=problems(), end=st.sampled_from(["largest", "smallest", "ordinary"]))
+def test_tiled_from_a_thread_equals_the_main_thread_and_the_reference(p, end):
+    # Values scaled by a power of two that puts them near the dtype's largest normal number
+    # (|v| up to 7/8 of it) or its smallest (some subnormal): the tiled path, called from a
+    # pool's thread, gives the main thread's bits, and both match the reference path relative
+    # to the values' size (plus, at the small end, the subnormal spacing that the reference
+    # path's own products round to).
+    finfo = np.finfo(p["dtype"])
+    e = {"largest": finfo.maxexp - 2, "smallest": finfo.minexp + 4, "ordinary": 0}[end]
+    v = np.ldexp(np.clip(p["v"], -3.5, 3.5), e)  # |v| <= 3.5 * 2**(maxexp - 2) < finfo.max
+    args = (p["q"], p["k"], v, p["mask"])
+
+    def call(implementation):
+        return attention(*args, implementation=implementation, return_lse=True, **options(p))
+
+    main = call("tiled")
+    threaded = in_a_thread(lambda: call("tiled"))
+    for g, w in zip(threaded, main):
+        np.testing.assert_array_equal(g, w)
+    want = call("reference")
+    assert_close(main[1], want[1], FORWARD_TOL[p["dtype"]], "lse")
+    assert not np.isnan(main[0]).any() and np.isfinite(main[0]).all()
+    S = p["k"].shape[-2]
+    tol = dict(FORWARD_TOL[p["dtype"]])
+    subnormal = float(finfo.smallest_subnormal) * max(S, 1)  # the reference's rounding
+    tol["atol"] = tol["atol"] + (subnormal / 2.0**e if end == "smallest" else 0.0)
+    got, ref = (np.ldexp(x.astype(np.float64), -e) for x in (main[0], want[0]))
+    np.testing.assert_allclose(got, ref, **tol)
 
 
 # ---------------------------------------------------------------------------------------------
