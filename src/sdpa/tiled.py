@@ -405,7 +405,13 @@ def svml_exp2() -> bool:
 
 
 def _make_plan(
-    problem: AttentionProblem, block_q, block_k, num_threads, with_stats=False, exp=None
+    problem: AttentionProblem,
+    block_q,
+    block_k,
+    num_threads,
+    with_stats=False,
+    exp=None,
+    v_exp=None,
 ) -> _Plan:
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
@@ -437,9 +443,7 @@ def _make_plan(
     if problem.bias is not None:
         bias = rows_view(problem.bias, S)
     lo, hi = problem.band
-    value, v_exp = problem.value, _value_exponents(problem.value, S)
-    if v_exp is not None:
-        value = np.ldexp(value, -v_exp)  # exact: a power of two per column
+    value = problem.value if v_exp is None else np.ldexp(problem.value, -v_exp)  # exact
     return _Plan(
         q=rows_view(problem.query, Dk),
         k=heads_view(problem.key, Dk),
@@ -493,6 +497,21 @@ def _value_exponents(value: np.ndarray, S: int) -> np.ndarray | None:
     if not scale.any():
         return None
     return np.where(scale, np.frexp(top)[1], 0).astype(np.int32)
+
+
+def _values_may_be_out_of_range(out: np.ndarray) -> bool:
+    """Whether a result computed on unscaled values may have lost to the ends of the range.
+
+    Overflow shows in the result as ``inf`` or NaN; digits lost to subnormal numbers show as
+    a column whose results are all below ``2 ** 64`` times the smallest normal number. A pass
+    over the result, which is far smaller than the values unless ``T`` is close to ``S``:
+    only then are the values themselves read (:func:`_value_exponents`).
+    """
+    if out.size == 0:
+        return False
+    low = float(np.finfo(out.dtype).smallest_normal) * 2.0**64
+    top = np.max(np.abs(out).reshape(-1, out.shape[-1]), axis=0)  # NaN propagates
+    return not (top >= low).all() or not np.isfinite(top).all()
 
 
 # The shift m of a row is folded into the first matrix product only while |m| is at most this.
@@ -834,6 +853,39 @@ class _Worker:
                 self.run(*units[i])
 
 
+def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> None:
+    """Share the plan's work units out among worker threads; add their counts to ``stats``."""
+    T, S = plan.T, plan.S
+    outer = plan.out.shape[:-3]
+    n_q = -(-T // plan.block_q)
+    units = []
+    for a in range(n_q):
+        t0, t1 = a * plan.block_q, min(T, (a + 1) * plan.block_q)
+        first, stop = _key_block_range(t0, t1, S, plan.block_k, plan.offset, plan.lo, plan.hi)
+        units.extend((stop - first, o, t0, t1) for o in np.ndindex(*outer))
+    # Longest first, so the last units to finish are short ones (causal rows vary in length).
+    units.sort(key=lambda u: -u[0])
+    work = [u[1:] for u in units]
+    n_threads = max(1, min(num_threads or default_num_threads(), len(work)))
+    counter = itertools.count()
+    workers = [_Worker(plan) for _ in range(n_threads)]
+    if n_threads == 1:
+        with single_threaded_blas():  # BLAS's threads slow small products down, here too
+            workers[0].drain(work, counter)
+    else:
+        run_in_threads([functools.partial(w.drain, work, counter) for w in workers])
+    if stats is not None:
+        n_k = -(-S // plan.block_k)
+        total = n_q * n_k * int(np.prod(outer, dtype=np.int64))
+        stats.units += len(work)
+        stats.computed += sum(w.computed for w in workers)
+        stats.skipped_mask += sum(w.skipped_mask for w in workers)
+        stats.rescaled += sum(w.rescaled for w in workers)
+        stats.redone += sum(w.redone for w in workers)
+        stats.retried += sum(w.retried for w in workers)
+        stats.skipped_band += total - sum(u[0] for u in units)
+
+
 def attention_tiled(
     problem: AttentionProblem,
     *,
@@ -927,35 +979,14 @@ def attention_tiled(
         if mark:
             out, lse, _ = mark_poisoned(problem, out, lse)
         return (out, lse, m, ell) if return_stats else (out, lse)
-    plan = _make_plan(problem, block_q, block_k, num_threads, with_stats=return_stats, exp=exp)
-    outer = plan.out.shape[:-3]
-    n_q = -(-T // plan.block_q)
-    units = []
-    for a in range(n_q):
-        t0, t1 = a * plan.block_q, min(T, (a + 1) * plan.block_q)
-        first, stop = _key_block_range(t0, t1, S, plan.block_k, plan.offset, plan.lo, plan.hi)
-        units.extend((stop - first, o, t0, t1) for o in np.ndindex(*outer))
-    # Longest first, so the last units to finish are short ones (causal rows vary in length).
-    units.sort(key=lambda u: -u[0])
-    work = [u[1:] for u in units]
-    n_threads = max(1, min(num_threads or default_num_threads(), len(work)))
-    counter = itertools.count()
-    workers = [_Worker(plan) for _ in range(n_threads)]
-    if n_threads == 1:
-        with single_threaded_blas():  # BLAS's threads slow small products down, here too
-            workers[0].drain(work, counter)
-    else:
-        run_in_threads([functools.partial(w.drain, work, counter) for w in workers])
-    if stats is not None:
-        n_k = -(-S // plan.block_k)
-        total = n_q * n_k * int(np.prod(outer, dtype=np.int64))
-        stats.units += len(work)
-        stats.computed += sum(w.computed for w in workers)
-        stats.skipped_mask += sum(w.skipped_mask for w in workers)
-        stats.rescaled += sum(w.rescaled for w in workers)
-        stats.redone += sum(w.redone for w in workers)
-        stats.retried += sum(w.retried for w in workers)
-        stats.skipped_band += total - sum(u[0] for u in units)
+    sizes = (problem, block_q, block_k, num_threads)
+    plan = _make_plan(*sizes, with_stats=return_stats, exp=exp)
+    _run(plan, num_threads, stats)
+    if _values_may_be_out_of_range(plan.out):
+        v_exp = _value_exponents(problem.value, S)
+        if v_exp is not None:  # computed again, on values scaled into range
+            plan = _make_plan(*sizes, with_stats=return_stats, exp=exp, v_exp=v_exp)
+            _run(plan, num_threads, stats)
     bs = problem.batch_shape
     out, lse = plan.out.reshape(*bs, T, Dv), plan.lse.reshape(*bs, T)
     if mark:
