@@ -127,7 +127,8 @@ def test_float16_is_computed_in_float32(rng):
     q, k, v = qkv(rng, np.float16)
     out, lse = blocked_attention(q, k, v, block_q=2, block_k=5)
     want = loop_forward(*(x.astype(np.float64) for x in (q, k, v)), 1 / math.sqrt(DK))
-    assert out.dtype == lse.dtype == np.float16
+    assert out.dtype == np.float16
+    assert lse.dtype == np.float32  # as scaled_dot_product_attention(..., return_lse=True)
     np.testing.assert_allclose(out, want[0], rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(lse, want[1], rtol=2e-3, atol=2e-3)
 
@@ -221,6 +222,51 @@ def test_backward_gradient_dtypes_follow_each_input(rng):
         q32, k_int, v, out, lse, np.ones_like(out), block_q=2, block_k=3
     )
     assert (d_q.dtype, d_k.dtype, d_v.dtype) == (np.float32, np.float64, np.float64)
+
+
+def float16_large_scores(rng, case):
+    """float16 inputs whose scores, about 8e4, overflow float16 (max 65504) but are exact in
+    float32: ``q = k = 200`` everywhere (Dk = 4, scale 1/2), or 200 in four columns and
+    multiples of 1/8 in a fifth (scale 1/2 given), so that the scores differ between keys."""
+    t, s = 3, 4
+    if case == "constant":
+        q, k, scale = np.full((t, 4), 200.0), np.full((s, 4), 200.0), None
+    else:
+        q, k, scale = np.full((t, 5), 200.0), np.full((s, 5), 200.0), 0.5
+        q[:, 4] = rng.integers(-8, 9, t) / 8
+        k[:, 4] = rng.integers(-8, 9, s) / 8
+    v = rng.standard_normal((s, 2))
+    d_out = rng.standard_normal((t, 2))
+    return [x.astype(np.float16) for x in (q, k, v, d_out)], scale
+
+
+@pytest.mark.parametrize("case", ["constant", "varied"])
+def test_float16_scores_beyond_65504_give_a_float32_lse_and_exact_gradients(case, rng):
+    """A float16 lse would be inf, and the backward pass would return zeros. The lse is
+    float32, as FlashAttention's; the backward pass corrects its rounding (up to 4e-3 at 8e4,
+    which would move every weight by 0.4%), so the gradients match the float64 loop on the
+    same float16 numbers to float16 precision."""
+    (q, k, v, d_out), scale = float16_large_scores(rng, case)
+    scale64 = 0.5 if scale is None else scale
+    as64 = [x.astype(np.float64) for x in (q, k, v, d_out)]
+    want_out, want_lse, _ = loop_forward(*as64[:3], scale64)
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=3, scale=scale)
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    assert np.all(want_lse > 79_000)
+    np.testing.assert_allclose(lse, want_lse, rtol=6e-8, atol=0)  # half a float32 ulp
+    np.testing.assert_allclose(out, want_out, rtol=1e-3, atol=1e-3)
+    grads = blocked_attention_backward(q, k, v, out, lse, d_out, block_q=2, block_k=3, scale=scale)
+    want_dq, want_dk, want_dv = loop_backward(*as64, scale64)
+    for got, want in zip(grads[1:], (want_dk, want_dv)):
+        assert got.dtype == np.float16 and np.abs(want).max() > 0.1  # not zeros against zeros
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    # d_q adds terms of size scale * |k| * |dscores| = 100 |dscores| that cancel, since each
+    # row of dscores sums to rowsum(dO * O) - delta = 0; delta is taken from out, rounded to
+    # float16 (unit roundoff 2**-11), and that rounding, times scale * |k|, bounds d_q's error.
+    delta_size = np.abs(as64[3] * out.astype(np.float64)).sum(axis=1).max()
+    atol_dq = 2 * 2.0**-11 * scale64 * 200.0 * delta_size
+    assert grads[0].dtype == np.float16
+    np.testing.assert_allclose(grads[0], want_dq, rtol=2e-3, atol=atol_dq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,3 +387,16 @@ def test_backward_rejects_the_forward_errors(rng):
     out, lse = blocked_attention(q, k, v, block_q=2, block_k=2)
     with pytest.raises(ValueError, match="block_k must be a positive integer; got -1"):
         blocked_attention_backward(q, k, v, out, lse, out, block_q=2, block_k=-1)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf])
+def test_backward_rejects_an_infinite_lse(bad, rng):
+    """blocked_attention never returns an infinite lse; one cast to float16 overflows to inf
+    beyond 65504 and would silently give zero gradients."""
+    q, k, v = qkv(rng)
+    out, lse = blocked_attention(q, k, v, block_q=2, block_k=2)
+    lse[3] = bad
+    with pytest.raises(
+        ValueError, match=rf"lse must be finite or NaN; got lse\[3\]={bad!r}.*float32 lse"
+    ):
+        blocked_attention_backward(q, k, v, out, lse, np.ones_like(out), block_q=2, block_k=2)

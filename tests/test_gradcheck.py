@@ -103,6 +103,28 @@ def test_gradcheck_reports_nan_as_a_failure(rng):
     assert ok is False
 
 
+@pytest.mark.parametrize("kind", [float, np.float64], ids=["python float", "numpy scalar"])
+def test_gradcheck_accepts_a_scalar_gradient(kind):
+    """For a scalar argument a vjp may return a Python float or a NumPy scalar (what
+    arithmetic on 0-d arrays gives): each is a 0-d gradient, compared with the differences."""
+
+    def cube(a):
+        return a**3
+
+    def vjp(d, a):
+        return kind(d * 3 * a**2)  # d/da a^3 = 3 a^2, by hand
+
+    def wrong_vjp(d, a):
+        return kind(d * 2 * a**2)
+
+    for x in (1.5, np.array(-0.7)):
+        assert gradcheck(cube, vjp, x, d_out=1.3) is True
+        assert gradcheck(cube, lambda d, a: (vjp(d, a),), (x,)) is True  # or in a tuple
+        assert gradcheck(cube, wrong_vjp, x, raise_exception=False) is False
+        with pytest.raises(AssertionError, match="argument 0: 1 of 1 entries differ"):
+            gradcheck(cube, wrong_vjp, x)
+
+
 X = np.array([0.3, -1.2, 2.0])
 
 
@@ -166,6 +188,11 @@ ERRORS = {
         ValueError,
         r"vjp must return one gradient per checked argument \(1\); got 2",
         lambda: gradcheck(identity, lambda d, a: (d, d), (X,)),
+    ),
+    "vjp gives one scalar for two arguments": (
+        ValueError,
+        r"vjp must return one gradient per checked argument \(2\); got 1",
+        lambda: gradcheck(np.multiply, lambda d, a, b: float(d * b), (1.5, 2.0)),
     ),
     "vjp gradient shape": (
         ValueError,

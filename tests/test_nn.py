@@ -9,6 +9,7 @@ axis cannot pass. The model, DecoderLM, is tested in test_nn_model.py.
 from __future__ import annotations
 
 import math
+from decimal import Decimal, localcontext
 
 import numpy as np
 import pytest
@@ -278,6 +279,122 @@ def test_embedding_backward_matches_torch(torch, rng, dtype):
     ours = nn.embedding_backward(d_out, indices, V)
     assert ours.dtype == dtype
     np.testing.assert_allclose(ours, table.grad.numpy(), **(F64 if dtype == np.float64 else F32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisations at any magnitude: an independent reference in 40-digit decimals
+# ---------------------------------------------------------------------------------------------
+
+
+def decimals(row):
+    """The exact values of the floats of ``row``."""
+    return [Decimal(float(a)) for a in row]
+
+
+def decimal_normalise(x, eps, centred):
+    """``x_hat`` of one row of decimals (layer norm if ``centred``, else RMS norm) in 40-digit
+    decimal arithmetic, whose exponent range (1e-999999 to 1e999999) nothing here reaches."""
+    with localcontext() as ctx:
+        ctx.prec = 40
+        mean = sum(x) / len(x) if centred else Decimal(0)
+        c = [a - mean for a in x]
+        r = 1 / (sum(a * a for a in c) / len(x) + Decimal(float(eps))).sqrt()
+        return [a * r for a in c]
+
+
+def decimal_norm(x, eps, centred):
+    """``x_hat`` of every row, rounded once to float64."""
+    rows = [[float(a) for a in decimal_normalise(decimals(row), eps, centred)] for row in x]
+    return np.array(rows).reshape(x.shape)
+
+
+def decimal_norm_grad(x, d_y, weight, eps, centred):
+    """d/dx of ``sum(d_y * weight * x_hat(x))``, row by row, by central differences in
+    40-digit decimals (step 1e-12 of the row's largest entry: error about 1e-24)."""
+    grad = np.zeros(x.shape)
+    for r in np.ndindex(*x.shape[:-1]):
+        row = decimals(x[r])
+        cot = [d * w for d, w in zip(decimals(d_y[r]), decimals(weight))]
+        for j in range(len(row)):
+            with localcontext() as ctx:
+                ctx.prec = 40
+                h = max(abs(a) for a in row) * Decimal("1e-12")
+                up, down = list(row), list(row)
+                up[j] += h
+                down[j] -= h
+                pairs = zip(
+                    decimal_normalise(up, eps, centred), decimal_normalise(down, eps, centred)
+                )
+                slope = sum(c * (a - b) for c, (a, b) in zip(cot, pairs)) / (2 * h)
+            grad[r + (j,)] = float(slope)
+    return grad
+
+
+# Rows of very different magnitudes: squares that overflow (float32 beyond 1.8e19, float64
+# beyond 1.3e154), ordinary ones, and rows near the smallest normal numbers (1.2e-38, 2.2e-308),
+# whose squares underflow and whose normalisation is dominated by eps. A row of the largest
+# floats, and a constant row (its mean is exact, so x_hat is 0).
+MAGNITUDES = {
+    np.float32: [3.4e38, 1e30, 2e19, 1.0, 1e-3, 2e-38],
+    np.float64: [1.7e308, 1e200, 1e155, 1.0, 1e-3, 3e-308],
+}
+
+
+def rows_of_magnitudes(rng, dtype):
+    z = rng.standard_normal((len(MAGNITUDES[dtype]), E))
+    x = z / np.abs(z).max(axis=1, keepdims=True) * np.array(MAGNITUDES[dtype])[:, None]
+    constant = np.full((1, E), 2.0**100)
+    return np.concatenate([x, constant]).astype(dtype)
+
+
+def assert_rows_close(got, want, rtol):
+    """Each row to ``rtol`` of its own largest entry: rows differ by hundreds of decades."""
+    scale = np.abs(want).max(axis=-1, keepdims=True)
+    np.testing.assert_array_less(np.abs(got - want), rtol * (np.abs(want) + scale) + 1e-300)
+
+
+@pytest.mark.parametrize("centred", [True, False], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_norms_at_any_magnitude_match_decimal_arithmetic(centred, dtype, rng):
+    """The squares of a row above 1.8e19 overflow float32 (and its mean may too); the row is
+    scaled by a power of two first, so the result matches the decimal reference."""
+    x = rows_of_magnitudes(rng, dtype)
+    gain = (1.0 + 0.3 * rng.standard_normal(E)).astype(dtype)
+    shift = rng.standard_normal(E).astype(dtype)
+    eps = 1e-5
+    rtol = 1e-6 if dtype == np.float32 else 1e-13
+    x_hat = decimal_norm(x, eps, centred)
+    if centred:
+        got_hat = nn.layer_norm(x, np.ones(E, dtype), np.zeros(E, dtype), eps=eps)
+        got = nn.layer_norm(x, gain, shift, eps=eps)
+        want = x_hat * gain + shift
+    else:
+        got_hat = nn.rms_norm(x, np.ones(E, dtype), eps=eps)
+        got = nn.rms_norm(x, gain, eps=eps)
+        want = x_hat * gain
+    assert got.dtype == got_hat.dtype == dtype
+    assert np.abs(x_hat[:2]).max() > 0.5  # the largest rows are not normalised to zeros
+    assert_rows_close(got_hat, x_hat, rtol)
+    assert_rows_close(got, want, rtol)
+
+
+@pytest.mark.parametrize("centred", [True, False], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_norm_gradients_at_any_magnitude_match_decimal_differences(centred, dtype, rng):
+    x = rows_of_magnitudes(rng, dtype)[:-1]  # the constant row's x_hat is 0, its gradient huge
+    d_y = rng.standard_normal(x.shape).astype(dtype)
+    gain = (1.0 + 0.3 * rng.standard_normal(E)).astype(dtype)
+    eps = 1e-5
+    rtol = 2e-6 if dtype == np.float32 else 1e-12
+    if centred:
+        d_x, d_gain, _ = nn.layer_norm_backward(d_y, x, gain, np.zeros(E, dtype), eps=eps)
+    else:
+        d_x, d_gain = nn.rms_norm_backward(d_y, x, gain, eps=eps)
+    want_dx = decimal_norm_grad(x, d_y, gain, eps, centred)
+    want_dgain = np.sum(d_y * decimal_norm(x, eps, centred), axis=0)
+    assert d_x.dtype == d_gain.dtype == dtype
+    assert_rows_close(d_x, want_dx, rtol)
+    np.testing.assert_allclose(d_gain, want_dgain, rtol=rtol, atol=rtol * np.abs(d_y).sum())
 
 
 # ---------------------------------------------------------------------------------------------

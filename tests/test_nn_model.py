@@ -278,6 +278,72 @@ def test_sampling_follows_the_model_distribution():
     np.testing.assert_allclose(freq, p, atol=4 * np.sqrt(p * (1 - p) / len(samples)).max())
 
 
+def model_with_logits(logits):
+    """A model whose next-token logits are exactly ``logits`` after any prompt: the final
+    layer norm has gain 0 and bias e_0, so the stream becomes e_0 at every position, and row 0
+    of the unembedding is ``logits``."""
+    model = make_model(norm="layer")
+    model.params["final_norm.weight"][...] = 0.0
+    model.params["final_norm.bias"][...] = np.eye(E)[0]
+    model.params["unembedding"][...] = 0.0
+    model.params["unembedding"][0] = logits
+    np.testing.assert_array_equal(model.forward(np.array([4, 1]))[-1], logits)
+    return model
+
+
+TIED = [1.0, 3.0, 3.0, 0.0, 3.0, 2.0, -1.0]  # tokens 1, 2 and 4 tie for the largest logit
+N_SAMPLES = 600
+
+
+def next_tokens(model, **sampling):
+    prompt = np.zeros((N_SAMPLES, 1), dtype=int)
+    return model.generate(prompt, 1, rng=np.random.default_rng(7), **sampling)[:, -1]
+
+
+def assert_frequencies(samples, p):
+    """The sampled frequencies of the tokens are p, within four standard deviations."""
+    freq = np.bincount(samples, minlength=V) / len(samples)
+    np.testing.assert_allclose(freq, p, atol=4 * np.sqrt(0.25 / len(samples)))
+
+
+@pytest.mark.parametrize(
+    "top_k, kept",
+    [(1, [1]), (2, [1, 2]), (3, [1, 2, 4]), (4, [1, 2, 4, 5]), (7, list(range(V)))],
+)
+def test_top_k_keeps_exactly_k_tokens_and_breaks_ties_by_the_lowest_id(top_k, kept):
+    """Tokens 1, 2 and 4 tie for the largest logit: top_k = 2 keeps 1 and 2 only (not all
+    three), and they are sampled in proportion to exp(logit) among the kept ones."""
+    samples = next_tokens(model_with_logits(TIED), temperature=1.0, top_k=top_k)
+    weights = np.zeros(V)
+    weights[kept] = np.exp(np.array(TIED)[kept])  # softmax restricted to the kept tokens
+    assert set(np.unique(samples)) == set(kept)
+    assert_frequencies(samples, weights / weights.sum())
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30])
+def test_a_tiny_temperature_is_greedy(temperature, rng):
+    """logits / 5e-324 overflow; as the temperature tends to 0, sampling tends to the argmax."""
+    logits = [1.0, 2.5, 3.0, 0.0, 2.999, 2.0, -1.0]
+    samples = next_tokens(model_with_logits(logits), temperature=temperature)
+    np.testing.assert_array_equal(samples, np.full(N_SAMPLES, 2))
+    model = make_model()  # random logits, several steps: the greedy continuation
+    prompt = rng.integers(0, V, size=(3, 2))
+    np.testing.assert_array_equal(
+        model.generate(prompt, 4, temperature=temperature, rng=rng),
+        model.generate(prompt, 4, temperature=0),
+    )
+
+
+def test_ties_for_the_largest_logit():
+    """Greedy takes the lowest id among the tied largest logits; sampling, at any temperature
+    > 0 (however small), gives them equal chances, the limit of softmax(logits / t)."""
+    model = model_with_logits(TIED)
+    assert set(next_tokens(model, temperature=0)) == {1}
+    third = np.array([0, 1, 1, 0, 1, 0, 0]) / 3
+    assert_frequencies(next_tokens(model, temperature=5e-324), third)
+    assert_frequencies(next_tokens(model, temperature=1e-3, top_k=3), third)
+
+
 def test_zero_new_tokens_returns_the_prompt():
     np.testing.assert_array_equal(make_model().generate(np.array([1, 2]), 0, temperature=0), [1, 2])
 

@@ -110,3 +110,23 @@ def test_mask_plot_errors(ax):
         mask_plot(ax, np.eye(2))
     with pytest.raises(ValueError, match=r"allowed must be 2-D \(T, S\); got allowed.shape=\(2,\)"):
         mask_plot(ax, np.ones(2, dtype=bool))
+
+
+@pytest.mark.parametrize(
+    "bad, got",
+    [(None, "NoneType"), (np.eye(2), "numpy.ndarray"), ("ax", "str")],
+)
+@pytest.mark.parametrize("draw", [heatmap, mask_plot], ids=["heatmap", "mask_plot"])
+def test_ax_must_be_a_matplotlib_axes(draw, bad, got):
+    with pytest.raises(TypeError, match=rf"ax must be a matplotlib Axes .*; got {got}"):
+        draw(bad, np.eye(2, dtype=bool))
+
+
+def test_an_array_of_axes_names_the_fix():
+    """new_figure(2) returns an array of two Axes: the message says to pass one of them."""
+    fig, axes = new_figure(2)
+    with pytest.raises(
+        TypeError, match=r"got numpy.ndarray of 2 Axes: pass one of them, e.g. axes\[0\]"
+    ):
+        heatmap(axes, np.eye(2))
+    plt.close(fig)

@@ -24,9 +24,13 @@ from numbers import Integral
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_float_array, check_scale, compute_dtype
+from ._checks import as_float_array, check_scale, compute_dtype, lse_dtype
 
 __all__ = ["blocked_attention", "blocked_attention_backward"]
+
+# Beyond this |lse|, the rounding of a saved lse (half a unit in its last place: 4e-6 at 64,
+# 4e-3 at 8e4 in float32) moves the weights noticeably; the backward pass then measures it.
+LSE_EXACT_LIMIT = 64.0
 
 
 def _check_block(value, name: str) -> int:
@@ -90,7 +94,38 @@ def _check_results(out, lse, d_out, q: np.ndarray, v: np.ndarray):
     out = _check_like(out, "out", (T, Dv), "of the forward output (T, Dv)")
     lse = _check_like(lse, "lse", (T,), "of the forward log-sum-exp (T,)")
     d_out = _check_like(d_out, "d_out", (T, Dv), "of the forward output (T, Dv)")
+    if np.isinf(lse).any():
+        i = int(np.flatnonzero(np.isinf(lse))[0])
+        raise ValueError(
+            f"lse must be finite or NaN; got lse[{i}]={float(lse[i])!r} (blocked_attention never "
+            "returns an infinite lse; a float16 lse overflows beyond 65504: pass the float32 lse "
+            "that blocked_attention returns for float16 inputs)"
+        )
     return (x.astype(q.dtype, copy=False) for x in (out, lse, d_out))
+
+
+def _lse_rounding(q, k, lse, scale, block_q: int, block_k: int) -> np.ndarray:
+    """Per query, ``log(rowsum(exp(scores - lse)))``: how far the saved ``lse`` is off.
+
+    In exact arithmetic this is zero. ``lse`` was rounded to the working dtype, though (by up
+    to 4e-3 at ``lse = 8e4`` in float32, which would scale every weight of the row by up to
+    ``exp(4e-3)``), and computed here it is that rounding error, to working precision:
+    ``scores - lse`` is exact for every score that carries weight. Only rows with
+    ``|lse| > LSE_EXACT_LIMIT`` are measured; the others get 0 and are left as they are. The
+    scores are recomputed by the same blocks as in the backward pass, so they round alike.
+    """
+    error = np.zeros_like(lse)  # (T,)
+    far = np.abs(lse) > LSE_EXACT_LIMIT  # (T,), False for NaN
+    for i in range(0, len(q), block_q):
+        if not far[i : i + block_q].any():
+            continue
+        q_i = q[i : i + block_q] * scale  # (Bq, Dk), as in the backward pass
+        lse_i = lse[i : i + block_q, None]  # (Bq, 1)
+        total = np.zeros(len(q_i), lse.dtype)  # (Bq,), 1 but for the rounding of lse
+        for j in range(0, len(k), block_k):
+            total += np.exp(q_i @ k[j : j + block_k].T - lse_i).sum(axis=1)  # (Bq, Bk) -> (Bq,)
+        error[i : i + block_q] = np.where(far[i : i + block_q], np.log(total), 0.0)
+    return error
 
 
 def _grad_dtype(x: ArrayLike) -> np.dtype:
@@ -136,7 +171,8 @@ def blocked_attention(
         ``softmax(scale * q @ k.T) @ v``.
     lse : (T,) np.ndarray
         The log-sum-exp of each row of scores, ``m + log(l)``: what the backward pass needs
-        to recompute the weights.
+        to recompute the weights. float32 for float16 inputs (as FlashAttention and
+        :func:`sdpa.scaled_dot_product_attention` return it), otherwise the dtype of ``out``.
 
     Raises
     ------
@@ -166,8 +202,10 @@ def blocked_attention(
     The division by :math:`\ell` happens once, after the last block (FlashAttention-2's
     change to FlashAttention, which rescaled the output at every step).
 
-    **Dtypes.** The result has the inputs' common floating dtype; float16 is computed in
-    float32 and rounded once at the end; integer and bool inputs give float64.
+    **Dtypes.** ``out`` has the inputs' common floating dtype; float16 is computed in
+    float32 and rounded once at the end, and its ``lse`` stays float32: scores above 65504
+    (``q = k = 200`` with ``Dk = 4`` gives 80000) would overflow float16 to ``inf``. Integer
+    and bool inputs give float64.
 
     Examples
     --------
@@ -213,7 +251,7 @@ def blocked_attention(
             m = m_new
         out[i : i + block_q] = acc / l[:, None]  # (Bq, Dv), divided once
         lse[i : i + block_q] = m + np.log(l)  # (Bq,), for the backward pass
-    return out.astype(out_dtype, copy=False), lse.astype(out_dtype, copy=False)
+    return out.astype(out_dtype, copy=False), lse.astype(lse_dtype(out_dtype), copy=False)
 
 
 def blocked_attention_backward(
@@ -242,7 +280,7 @@ def blocked_attention_backward(
     out : (T, Dv) array_like
         The forward output.
     lse : (T,) array_like
-        The forward log-sum-exp.
+        The forward log-sum-exp, as returned (float32 for float16 inputs); finite or NaN.
     d_out : (T, Dv) array_like
         Gradient of the loss with respect to ``out``.
     block_q, block_k : int
@@ -257,7 +295,8 @@ def blocked_attention_backward(
     d_k : (S, Dk) np.ndarray
         Gradient with respect to ``k``.
     d_v : (S, Dv) np.ndarray
-        Gradient with respect to ``v``. Each with its input's floating dtype (float64 for integer or bool inputs).
+        Gradient with respect to ``v``. Each gradient has its input's floating dtype (float64
+        for integer or bool inputs).
 
     Raises
     ------
@@ -265,7 +304,8 @@ def blocked_attention_backward(
         As :func:`blocked_attention`, also for ``out``, ``lse`` and ``d_out``.
     ValueError
         As :func:`blocked_attention`; also if ``out``, ``lse`` or ``d_out`` does not have the
-        shape of the forward result.
+        shape of the forward result, or ``lse`` holds an infinity (which the forward pass never
+        returns, but a float16 copy of a large ``lse`` does).
 
     See Also
     --------
@@ -286,6 +326,17 @@ def blocked_attention_backward(
     rewritten with :math:`P V = O` so that it needs no ``(T, S)`` matrix. Inside a block it
     is the ``Bq`` entries of the block's rows. ``dK`` takes the *transpose* of ``dS``:
     ``dS`` is ``(T, S)`` and ``dK`` has one row per key.
+
+    **Exact weights from a rounded lse.** ``P = exp(scores - lse)`` inherits the rounding of
+    ``lse`` in every exponent: half a unit in its last place, below 4e-6 for ``|lse| <= 64``
+    but 4e-3 at ``lse = 8e4`` in float32, which would scale a whole row of ``P`` by 0.4%. For
+    rows beyond 64 one extra pass over the blocks measures that error,
+    ``log(rowsum(exp(scores - lse)))`` (zero in exact arithmetic), and subtracts it in the
+    exponent, so the weights of each row sum to one to working precision. Other rows are
+    computed exactly as above.
+
+    **Dtypes.** Computed in the working dtype of the forward pass (float16 in float32); each
+    gradient has its input's floating dtype.
 
     Examples
     --------
@@ -313,6 +364,7 @@ def blocked_attention_backward(
     block_q, block_k = _check_blocks(block_q, block_k)
     q, k, v, scale, _ = _prepare(q, k, v, scale)
     out, lse, d_out = _check_results(out, lse, d_out, q, v)
+    lse_error = _lse_rounding(q, k, lse, scale, block_q, block_k)  # (T,), 0 if |lse| <= 64
     T, S = q.shape[0], k.shape[0]
     delta = np.sum(d_out * out, axis=1)  # (T,): rowsum(dO * O), one per query
     dq = np.zeros_like(q)  # (T, Dk), summed over the key blocks
@@ -327,8 +379,10 @@ def blocked_attention_backward(
             q_i = q[i : i + block_q] * scale  # (Bq, Dk), as in the forward
             dout_i = d_out[i : i + block_q]  # (Bq, Dv)
             delta_i = delta[i : i + block_q, None]  # (Bq, 1)
+            lse_i = lse[i : i + block_q, None]  # (Bq, 1)
+            error_i = lse_error[i : i + block_q, None]  # (Bq, 1)
             scores = q_i @ k_j.T  # (Bq, Dk) @ (Dk, Bk) -> (Bq, Bk)
-            weights = np.exp(scores - lse[i : i + block_q, None])  # (Bq, Bk)
+            weights = np.exp(scores - lse_i - error_i)  # (Bq, Bk), left to right
             dv_j += weights.T @ dout_i  # (Bk, Bq) @ (Bq, Dv) -> (Bk, Dv)
             dweights = dout_i @ v_j.T  # (Bq, Dv) @ (Dv, Bk) -> (Bq, Bk)
             dscores = weights * (dweights - delta_i)  # (Bq, Bk)

@@ -54,6 +54,17 @@ def _as_args(args) -> list[np.ndarray]:
     return arrays
 
 
+def _as_gradients(analytic, n: int) -> tuple:
+    """``vjp``'s result as a tuple. A lone gradient is accepted as one: an array when one
+    argument is checked, and a number (a Python float or a NumPy scalar, which arithmetic on
+    0-d arrays returns) in any case, as a 0-d array."""
+    if isinstance(analytic, (np.generic, Real)) or (
+        isinstance(analytic, np.ndarray) and (n == 1 or analytic.ndim == 0)
+    ):
+        return (analytic,)
+    return tuple(analytic)
+
+
 def _check_argnums(argnums, n: int) -> tuple[int, ...]:
     if argnums is None:
         return tuple(range(n))
@@ -189,7 +200,8 @@ def gradcheck(
     vjp : callable
         The backward function under test, ``vjp(d_out, *args) -> grads``: the gradients of
         ``sum(d_out * f(*args))`` with respect to the arguments selected by ``argnums``, in
-        that order (a single array is accepted when one argument is selected).
+        that order. A single array is accepted when one argument is selected, and a number
+        (Python float or NumPy scalar) stands for a 0-d array.
     args : array_like or tuple of array_like
         The point at which to check: one array, or one per argument of ``f``. Use float64
         values: finite differences in float32 are too coarse to check anything.
@@ -259,9 +271,7 @@ def gradcheck(
         d_out = rng.standard_normal(result_shape)
     numeric = numerical_gradient(f, arrays, d_out, argnums=argnums, eps=eps)
     analytic = vjp(np.asarray(d_out, dtype=np.float64), *[a.copy() for a in arrays])
-    if isinstance(analytic, np.ndarray) and len(argnums) == 1:
-        analytic = (analytic,)
-    analytic = tuple(analytic)
+    analytic = _as_gradients(analytic, len(argnums))
     if len(analytic) != len(argnums):
         raise ValueError(
             f"vjp must return one gradient per checked argument ({len(argnums)}); "

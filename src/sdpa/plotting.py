@@ -95,6 +95,22 @@ def new_figure(
     return fig, axes
 
 
+def _check_axes(ax) -> None:
+    """``ax`` must be one matplotlib Axes; an array of them (from ``new_figure(2)``) gets a hint."""
+    from matplotlib.axes import Axes
+
+    if isinstance(ax, Axes):
+        return
+    kind = type(ax)
+    got = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    if isinstance(ax, np.ndarray) and ax.size and all(isinstance(a, Axes) for a in ax.flat):
+        first = "axes[" + ", ".join(["0"] * ax.ndim) + "]"  # axes[0] or axes[0, 0]
+        got += f" of {ax.size} Axes: pass one of them, e.g. {first}"
+    raise TypeError(
+        f"ax must be a matplotlib Axes (one from new_figure() or plt.subplots()); got {got}"
+    )
+
+
 def _as_2d_real(data, name: str = "data") -> np.ndarray:
     if data is None:
         raise TypeError(f"{name} must be a 2-D array of real numbers; got None")
@@ -179,8 +195,8 @@ def heatmap(
     Raises
     ------
     TypeError
-        If ``data`` is None, complex, a masked array or not numeric, or ``masked`` is not
-        boolean.
+        If ``ax`` is not a matplotlib Axes, ``data`` is None, complex, a masked array or not
+        numeric, or ``masked`` is not boolean.
     ValueError
         If ``data`` is not 2-D, ``kind`` is unknown, ``masked`` or the labels do not match its
         shape, or ``vmin >= vmax``.
@@ -199,6 +215,7 @@ def heatmap(
     """
     import matplotlib as mpl
 
+    _check_axes(ax)
     values = _as_2d_real(data)
     if kind not in CMAPS:
         raise ValueError(f"kind must be 'weights' or 'signed'; got {kind!r}")
@@ -295,7 +312,7 @@ def mask_plot(
     Raises
     ------
     TypeError
-        If ``allowed`` is not boolean.
+        If ``ax`` is not a matplotlib Axes or ``allowed`` is not boolean.
     ValueError
         If ``allowed`` is not 2-D or the labels do not match it.
 
@@ -312,6 +329,7 @@ def mask_plot(
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
+    _check_axes(ax)
     if allowed is None:
         raise TypeError("allowed must be a 2-D boolean array; got None")
     mask = np.asarray(allowed)

@@ -253,12 +253,37 @@ def _norm_args(x, weight, bias, eps):
     return x, weight, bias, eps, out_dtype
 
 
-def _layer_norm_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(x_hat, rstd)``: the normalised rows and ``1 / sqrt(var + eps)``, ``(..., 1)``."""
+def _row_scale(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(s, eps_s)``: per row a power of two ``s`` to divide by, and ``eps / s**2``, ``(..., 1)``.
+
+    The squares of a float32 row above 1.8e19 overflow (float64: 1.3e154), and so may its
+    sum. With ``peak = max(max|x|, sqrt(eps))``, ``s`` lies in ``(peak / 2, peak]``: the
+    scaled row lies in ``[-2, 2]`` and ``eps_s`` in ``(0, 4]``, so nothing can overflow, and
+    the squares that underflow are those negligible beside ``eps_s`` or the largest square.
+    Dividing by a power of two is exact (outside the subnormals), so ordinary rows give
+    bitwise the numbers of the unscaled formula. ``eps_s`` is kept at least the smallest
+    normal number, so that a constant row gives ``0 / sqrt(eps_s) = 0`` even when ``eps / s**2``
+    underflows.
+    """
+    eps = x.dtype.type(eps)
+    peak = np.maximum(np.max(np.abs(x), axis=-1, keepdims=True), np.sqrt(eps))  # (..., 1)
+    _, exponent = np.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [0.5, 1)
+    s = np.ldexp(x.dtype.type(1), exponent - 1)  # (..., 1); s * s may overflow, eps / s / s not
+    return s, np.maximum(eps / s / s, np.finfo(x.dtype).tiny)
+
+
+def _layer_norm_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, ...]:
+    """``(x_hat, rstd, s)``, the last two ``(..., 1)``: ``1 / sqrt(var + eps) = rstd / s``.
+
+    The rows are divided by ``s`` first (:func:`_row_scale`); ``rstd`` is that of the scaled
+    rows, and ``x_hat`` does not depend on the scaling.
+    """
+    s, eps_s = _row_scale(x, eps)
+    x = x / s  # (..., E), exact, in [-2, 2]
     centred = x - x.mean(axis=-1, keepdims=True)
     var = np.mean(centred * centred, axis=-1, keepdims=True)  # biased, as the forward uses
-    rstd = 1.0 / np.sqrt(var + x.dtype.type(eps))
-    return centred * rstd, rstd
+    rstd = 1.0 / np.sqrt(var + eps_s)
+    return centred * rstd, rstd, s
 
 
 def layer_norm(
@@ -298,6 +323,14 @@ def layer_norm(
     :math:`\sigma^2 = \frac1E \sum_i (x_i - \mu)^2`; then
     :math:`\hat x = (x - \mu)/\sqrt{\sigma^2 + \varepsilon}` and :math:`y = w \odot \hat x + b`.
 
+    **Any magnitude.** Each row is first divided by a power of two close to
+    :math:`\max(\max_i |x_i|, \sqrt{\varepsilon})` (``eps`` likewise by its square), so
+    that the squares can neither overflow (in float32 they would beyond about 1.8e19, and the
+    result would be zeros) nor vanish when they matter: every finite row is normalised as in
+    exact arithmetic, up to the dtype's rounding. Dividing by a power of two is exact, so
+    ordinary rows give the same numbers as the unscaled formula. So does
+    :func:`layer_norm_backward`.
+
     Examples
     --------
     >>> import numpy as np
@@ -310,7 +343,7 @@ def layer_norm(
     (0.0, 1.0)
     """
     x, weight, bias, eps, out_dtype = _norm_args(x, weight, bias, eps)
-    x_hat, _ = _layer_norm_stats(x, eps)
+    x_hat, _, _ = _layer_norm_stats(x, eps)
     return (x_hat * weight + bias).astype(out_dtype, copy=False)
 
 
@@ -371,20 +404,26 @@ def layer_norm_backward(
     (d_y,), _ = _floats(d_y=d_y)
     d_y = d_y.astype(x.dtype, copy=False)
     _check_grad_shape(d_y, x.shape, "(..., E)")
-    x_hat, rstd = _layer_norm_stats(x, eps)
+    x_hat, rstd, s = _layer_norm_stats(x, eps)
     g = d_y * weight  # gradient reaching x_hat
     d_x = rstd * (
         g - g.mean(axis=-1, keepdims=True) - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True)
     )
+    d_x = d_x / s  # the 1 / sqrt(var + eps) of the unscaled rows is rstd / s
     d_weight = _sum_leading(d_y * x_hat)
     d_bias = _sum_leading(d_y)
     return tuple(a.astype(out_dtype, copy=False) for a in (d_x, d_weight, d_bias))
 
 
-def _rms_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(x_hat, rrms)`` with ``rrms = 1 / sqrt(mean(x^2) + eps)``, ``(..., 1)``."""
-    rrms = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps))
-    return x * rrms, rrms
+def _rms_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, ...]:
+    """``(x_hat, rrms, s)``, the last two ``(..., 1)``: ``1 / sqrt(mean(x^2) + eps) = rrms / s``.
+
+    The rows are divided by ``s`` first, as in :func:`_layer_norm_stats`.
+    """
+    s, eps_s = _row_scale(x, eps)
+    x = x / s  # (..., E), exact, in [-2, 2]
+    rrms = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps_s)
+    return x * rrms, rrms, s
 
 
 def rms_norm(x: ArrayLike, weight: ArrayLike, *, eps: float = 1e-6) -> np.ndarray:
@@ -416,6 +455,13 @@ def rms_norm(x: ArrayLike, weight: ArrayLike, *, eps: float = 1e-6) -> np.ndarra
         If ``x`` has no axis or an empty last axis, ``weight`` is not ``(E,)``, or ``eps``
         is not positive and finite.
 
+    Notes
+    -----
+    :math:`\hat x = x / \sqrt{\operatorname{mean}(x^2) + \varepsilon}`, :math:`y = w \odot
+    \hat x`. As in :func:`layer_norm`, each row is first divided by a power of two close to
+    its largest entry, so that rows of any finite magnitude (float32 rows above about 1.8e19
+    would otherwise give zeros) match exact arithmetic; ordinary rows are unchanged.
+
     Examples
     --------
     >>> import numpy as np
@@ -425,9 +471,14 @@ def rms_norm(x: ArrayLike, weight: ArrayLike, *, eps: float = 1e-6) -> np.ndarra
     array([0.8485, 1.1314])
     >>> float(np.round(np.mean(y**2), 8))  # the result has mean square 1
     1.0
+
+    The squares of a float32 row of 1e20 would overflow; the row is scaled first:
+
+    >>> np.round(rms_norm(np.array([3e20, 4e20], np.float32), np.ones(2, np.float32)), 4)
+    array([0.8485, 1.1314], dtype=float32)
     """
     x, weight, _, eps, out_dtype = _norm_args(x, weight, None, eps)
-    x_hat, _ = _rms_stats(x, eps)
+    x_hat, _, _ = _rms_stats(x, eps)
     return (x_hat * weight).astype(out_dtype, copy=False)
 
 
@@ -480,9 +531,9 @@ def rms_norm_backward(
     (d_y,), _ = _floats(d_y=d_y)
     d_y = d_y.astype(x.dtype, copy=False)
     _check_grad_shape(d_y, x.shape, "(..., E)")
-    x_hat, rrms = _rms_stats(x, eps)
+    x_hat, rrms, s = _rms_stats(x, eps)
     g = d_y * weight
-    d_x = rrms * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
+    d_x = rrms * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True)) / s
     d_weight = _sum_leading(d_y * x_hat)
     return d_x.astype(out_dtype, copy=False), d_weight.astype(out_dtype, copy=False)
 

@@ -627,9 +627,11 @@ class DecoderLM:
         max_new_tokens : int
             How many tokens to append; ``T0 + max_new_tokens`` must not exceed ``max_len``.
         temperature : float, default 1.0
-            Divides the logits before sampling; ``0`` picks the most likely token (greedy).
+            Divides the logits before sampling; ``0`` picks the most likely token (greedy),
+            and a tiny positive one (even ``5e-324``) samples as its limit, see Notes.
         top_k : int, optional
-            Sample only among the ``top_k`` most likely tokens.
+            Sample only among the ``top_k`` most likely tokens: exactly ``top_k`` of them,
+            ties broken by the lowest token id, see Notes.
         rng : numpy.random.Generator, optional
             Source of the samples; required when ``temperature > 0``.
         use_cache : bool, default True
@@ -652,6 +654,20 @@ class DecoderLM:
             If ``prompt`` is invalid (as in :meth:`forward`), the result would be longer than
             ``max_len``, ``temperature`` is negative or not finite, or ``top_k`` is outside
             ``[1, vocab_size]``.
+
+        Notes
+        -----
+        **Ties** are broken by the lowest token id, as a stable sort of the logits in
+        decreasing order (``np.argsort(-logits, kind="stable")``) ranks them: ``top_k`` keeps
+        the first ``top_k`` tokens of that order, so that exactly ``top_k`` survive even when
+        several share the ``top_k``-th largest logit, and ``temperature=0`` takes the first
+        (``np.argmax``). Sampling gives tokens with equal logits equal chances.
+
+        **Small temperatures.** Each row's largest logit is subtracted before the division by
+        ``temperature``, so the scaled logits are ``<= 0`` and cannot overflow: as
+        ``temperature`` tends to 0, every token but those with the largest logit gets
+        probability 0, and sampling becomes greedy. Tokens tied for the largest logit stay
+        equally likely, as they are in the limit; only ``temperature=0`` takes the lowest id.
 
         Examples
         --------
@@ -722,11 +738,15 @@ class DecoderLM:
     def _pick(logits: np.ndarray, temperature: float, top_k: int | None, rng) -> np.ndarray:
         """One token per row of ``logits`` ``(B, V)``: greedy, or sampled by inverse CDF."""
         if temperature == 0:
-            return np.argmax(logits, axis=-1)
-        z = logits.astype(np.float64) / temperature
+            return np.argmax(logits, axis=-1)  # the lowest id among the largest logits
+        z = logits.astype(np.float64)  # (B, V)
         if top_k is not None:
-            kth = np.sort(z, axis=-1)[:, -top_k][:, None]  # the k-th largest logit per row
-            z = np.where(z >= kth, z, -np.inf)
+            order = np.argsort(-z, axis=-1, kind="stable")  # (B, V), ties: lowest id first
+            kept = np.zeros(z.shape, dtype=bool)  # (B, V)
+            np.put_along_axis(kept, order[:, :top_k], True, axis=-1)  # exactly top_k per row
+            z = np.where(kept, z, -np.inf)
+        with np.errstate(over="ignore"):  # a tiny temperature: -inf for all but the largest
+            z = (z - z.max(axis=-1, keepdims=True)) / temperature  # (B, V), <= 0
         cdf = np.cumsum(softmax(z, axis=-1), axis=-1)  # (B, V)
         u = rng.random((z.shape[0], 1)) * cdf[:, -1:]
         return np.minimum((cdf <= u).sum(axis=-1), z.shape[1] - 1)
