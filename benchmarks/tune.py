@@ -25,7 +25,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import sdpa
-from sdpa import tiled
+from sdpa import tiled, tuning
 from sdpa.problem import prepare_attention
 
 rng = np.random.default_rng(0)
@@ -38,8 +38,8 @@ def tiles(n=2048, rounds=3):
     }
     for dtype, configs in grid.items():
         for is_causal in (False, True):
-            rows = tiled.BLOCK_ROWS if is_causal else tiled.BLOCK_ROWS_FULL  # the defaults
-            default = (rows[np.dtype(dtype)], tiled.BLOCK_K[np.dtype(dtype)])
+            rows = tuning.BLOCK_ROWS if is_causal else tuning.BLOCK_ROWS_FULL  # the defaults
+            default = (rows[np.dtype(dtype)], tuning.BLOCK_K[np.dtype(dtype)])
             q, k, v = (rng.standard_normal((n, 64)).astype(dtype) for _ in range(3))
             problem = prepare_attention(q, k, v, None, is_causal)
             best = {c: np.inf for c in configs}

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +23,11 @@ PACKAGE = ROOT / "src" / "sdpa"
 
 # In import order; a module may import from its own layer and from earlier layers only.
 LAYERS = [
-    {"_checks", "softmax", "masks", "examples", "plotting"},
+    {"_checks", "softmax_stable", "masks", "examples", "plotting"},
     {"problem"},
-    {"threads", "tiled", "cost_model", "blocked", "iomodel"},
+    {"threads", "tuning", "tiled", "cost_model", "blocked", "iomodel"},
     {"attention"},
-    {"backward", "softmax_grad", "gradcheck"},
+    {"backward", "softmax_grad", "finite_diff"},
     {"rope", "alibi", "kvcache", "linear"},
     {"multihead", "positional"},
     {"nn"},  # a subpackage: the small language model, built on the public API
@@ -201,3 +204,88 @@ def test_every_public_module_is_on_the_api_page():
         assert documented or in_sdpa, (
             f"sdpa.{module} exports {exported}: document it on the API page"
         )
+
+
+# -- the package face ------------------------------------------------------------------------
+
+
+def test_no_module_imports_the_package_face():
+    # `from .. import name` in sdpa.nn, or `from sdpa import name` anywhere in the package, runs
+    # sdpa/__init__.py while it is still importing: statement order alone would keep that loop
+    # from failing. Import from the module that defines the name.
+    face = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "__init__.py":
+            continue
+        depth = len(path.relative_to(PACKAGE).parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            names = [alias.name for alias in node.names]
+            if node.level == 0 and node.module == "sdpa":
+                face.append(f"{path.relative_to(PACKAGE)}:{node.lineno} from sdpa import {names}")
+            elif node.level == depth and node.module is None:
+                not_modules = [n for n in names if n not in package_modules()]
+                if not_modules:
+                    face.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {not_modules}")
+    assert not face, f"imports through the package face: {face}"
+
+
+def test_no_public_module_is_shadowed_by_a_function():
+    # `sdpa.softmax` was both a module and the function the package exports under that name.
+    import sdpa
+
+    for module in package_modules():
+        if hasattr(sdpa, module):
+            importlib.import_module(f"sdpa.{module}")
+            assert inspect.ismodule(getattr(sdpa, module)), (
+                f"sdpa.{module} is a module and a {type(getattr(sdpa, module)).__name__} of the "
+                "package face: rename one"
+            )
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+CODE_FILES = sorted(
+    [*(ROOT / "src").rglob("*.py"), *(ROOT / "book" / "_ext").rglob("*.py"), ROOT / "conf.py"]
+)
+MAX_FILE_LINES = 1200
+MAX_FUNCTION_LINES = 150  # of code: a docstring does not count
+MAX_COMPLEXITY = 15  # McCabe's, as ruff's C901 counts it
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    """Lines of code of every function (nested ones too), its docstring left out."""
+    lengths = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            doc = node.body[0]
+            if isinstance(doc, ast.Expr) and isinstance(getattr(doc, "value", None), ast.Constant):
+                if isinstance(doc.value.value, str):
+                    lines -= doc.end_lineno - doc.lineno + 1
+            lengths[f"{node.name} (line {node.lineno})"] = lines
+    return lengths
+
+
+@pytest.mark.parametrize("path", CODE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_and_functions_fit_their_rooms(path):
+    n_lines = len(path.read_text().splitlines())
+    assert n_lines <= MAX_FILE_LINES, f"{n_lines} lines: split the file by job"
+    long = {f: n for f, n in function_lengths(path).items() if n > MAX_FUNCTION_LINES}
+    assert not long, f"functions above {MAX_FUNCTION_LINES} lines of code: {long}"
+
+
+def test_function_lengths_count_code_not_docstrings(tmp_path):
+    source = tmp_path / "f.py"
+    source.write_text('def f():\n    """One\n\n    two.\n    """\n    x = 1\n    return x\n')
+    assert function_lengths(source) == {"f (line 1)": 3}
+
+
+def test_no_function_is_too_complex():
+    ruff = [sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "C901"]
+    ruff += ["--config", f"lint.mccabe.max-complexity={MAX_COMPLEXITY}", "--output-format=concise"]
+    result = subprocess.run(
+        [*ruff, *(str(p) for p in CODE_FILES)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -22,7 +22,8 @@ import sdpa.attention as attention_module
 import sdpa.tiled as tiled_module
 from sdpa import causal_mask, scaled_dot_product_attention, sliding_window_mask
 from sdpa.problem import prepare_attention
-from sdpa.tiled import TileStats, attention_tiled, tile_exponential, tile_map
+from sdpa.tiled import TileStats, attention_tiled, tile_map
+from sdpa.tuning import svml_exp2, tile_exponential
 
 TOL = {
     np.float64: dict(rtol=1e-12, atol=1e-12),
@@ -764,13 +765,13 @@ def test_tile_exponential_follows_the_machine():
     assert tile_exponential("float64") is np.exp
     disabled = os.environ.get("NPY_DISABLE_CPU_FEATURES", "")
     if not disabled and sys.platform == "linux":
-        assert tiled_module.svml_exp2() == cpu_has_avx512_skx()
-    assert tile_exponential(np.float32) is (np.exp2 if tiled_module.svml_exp2() else np.exp)
+        assert svml_exp2() == cpu_has_avx512_skx()
+    assert tile_exponential(np.float32) is (np.exp2 if svml_exp2() else np.exp)
 
 
 CHOICE = """
 import time, numpy as np
-from sdpa.tiled import tile_exponential
+from sdpa.tuning import tile_exponential
 def no_clock(*args):
     raise AssertionError("the exponential was chosen by a timing")
 time.perf_counter = time.perf_counter_ns = time.monotonic = time.time = no_clock
@@ -799,7 +800,7 @@ def test_the_exponential_is_chosen_without_a_clock_and_alike_in_every_process():
 
 
 def test_without_numpys_avx512_loops_the_exponential_is_exp():
-    if not tiled_module.svml_exp2():
+    if not svml_exp2():
         assert tile_exponential(np.float32) is np.exp
         return
     # NumPy 2 names the AVX-512 level X86_V4 (1.x: AVX512_SKX); the later levels go with it.

@@ -11,19 +11,23 @@ Shape letters used throughout: ``B`` batch, ``H`` heads (``Hq``, ``Hkv`` when th
 (2, 3, 4)
 """
 
+# The small language model of Part VII is importable as sdpa.nn after `import sdpa`; its names
+# stay out of sdpa.__all__, which is the attention API. Like every module of the package it
+# imports what it uses from the modules that define it, never from this face.
+from . import nn  # noqa: F401
 from .alibi import alibi_bias, alibi_slopes
 from .attention import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
 from .blocked import blocked_attention, blocked_attention_backward
-from .gradcheck import gradcheck, numerical_gradient
+from .finite_diff import gradcheck, numerical_gradient
 from .kvcache import KVCache
 from .linear import elu_feature_map, linear_attention
 from .masks import causal_mask, padding_mask, sliding_window_mask
 from .multihead import MultiHeadAttention, merge_heads, split_heads
 from .positional import sinusoidal_positional_encoding
 from .rope import apply_rotary_embedding, rotary_cos_sin
-from .softmax import log_softmax, logsumexp, softmax
 from .softmax_grad import softmax_jacobian, softmax_vjp
+from .softmax_stable import log_softmax, logsumexp, softmax
 from .tiled import tile_map
 
 __version__ = "0.1.0"
@@ -56,7 +60,3 @@ __all__ = [
     "split_heads",
     "tile_map",
 ]
-
-# The small language model of Part VII, importable as sdpa.nn after `import sdpa`; its names
-# stay out of sdpa.__all__, which is the attention API.
-from . import nn  # noqa: E402, F401  (last: sdpa.nn builds on the names above)

@@ -6,14 +6,11 @@ import argparse
 
 import numpy as np
 
-from . import (
-    MultiHeadAttention,
-    causal_mask,
-    padding_mask,
-    scaled_dot_product_attention,
-    sinusoidal_positional_encoding,
-)
+from .attention import scaled_dot_product_attention
 from .examples import the_cat_sleeps
+from .masks import causal_mask, padding_mask
+from .multihead import MultiHeadAttention
+from .positional import sinusoidal_positional_encoding
 
 
 def _matrix(a: np.ndarray, rows=None, cols=None, digits: int = 3) -> str:

@@ -23,7 +23,7 @@ from ._checks import check_bool, check_memory, check_probability, check_rng
 from .cost_model import worth_tiling
 from .problem import AttentionProblem, mark_poisoned, masked_scores, overflow_checked
 from .problem import prepare_attention as _prepare_attention  # public in sdpa.problem only
-from .softmax import softmax_and_lse
+from .softmax_stable import softmax_and_lse
 from .tiled import attention_tiled
 
 __all__ = ["attention_reference", "scaled_dot_product_attention"]

@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._checks import as_float_array, check_axis, check_memory, compute_dtype
-from .softmax import SOFTMAX_MASK_HINT, softmax_and_lse
+from .softmax_stable import SOFTMAX_MASK_HINT, softmax_and_lse
 
 __all__ = ["softmax_jacobian", "softmax_vjp"]
 

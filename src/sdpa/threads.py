@@ -18,11 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["default_num_threads", "run_in_threads", "single_threaded_blas"]
 
-_controller = None
-_blas_lock = threading.Lock()
-_blas_holders = 0  # calls currently inside single_threaded_blas(), in any thread
-_blas_limiter = None  # the threadpoolctl limiter of the first of them; restored by the last
-
 
 def default_num_threads() -> int:
     """The number of cores this process may run on: the tiled paths' default thread count.
@@ -44,17 +39,72 @@ def default_num_threads() -> int:
         return os.cpu_count() or 1
 
 
+class _BlasLimit:
+    """BLAS held to one thread while any caller, in any thread, is inside a block.
+
+    BLAS's thread count is a setting of the whole process, so this is one object per process
+    (``_BLAS``): a count of the blocks open, the limiter of the first (which saved the setting)
+    and a lock. threadpoolctl (from 3.8) lets only one "controlling" thread change an OpenBLAS
+    built with pthreads and silently ignores the others, so each change made here takes
+    control for itself and gives it up at once: the first block and the last may be in
+    different threads.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.holders = 0  # blocks open, in any thread
+        self.limiter = None  # threadpoolctl's limiter of the first; restored by the last
+        self.controller = None  # inspecting the libraries is slow: once, on first use
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.holders == 0:
+                self.limiter = self.change(lambda c: c.limit(limits=1, user_api="blas"))
+            self.holders += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0 and self.limiter is not None:
+                self.change(lambda c: self.limiter.restore_original_limits())
+                self.limiter = None
+
+    def change(self, change: Callable):
+        """``change(controller)`` as the thread that controls BLAS's settings, whichever this
+        is: control is released before (whoever held it last) and after, so the next change,
+        from any thread, takes effect. Called under the lock."""
+        from threadpoolctl import ThreadpoolController
+
+        if self.controller is None:
+            self.controller = ThreadpoolController()
+        release = _release_blas_control()
+        release()
+        try:
+            return change(self.controller)
+        finally:
+            release()
+
+
+_BLAS = _BlasLimit()
+
+
+def _release_blas_control() -> Callable[[], None]:
+    """A function that makes no thread the controller of OpenBLAS (a no-op before 3.8)."""
+    import threadpoolctl
+
+    openblas = getattr(threadpoolctl, "OpenBLASController", None)
+    clear = getattr(openblas, "clear_controlling_thread", None)
+    return (lambda: clear(force=True)) if clear is not None else (lambda: None)
+
+
 @contextlib.contextmanager
 def single_threaded_blas() -> Iterator[None]:
     """Hold BLAS to one thread for the duration of a ``with`` block, from any thread.
 
     BLAS's thread count is a setting of the whole process, so overlapping blocks in several
     threads share one limit: the first to enter saves the setting and limits it, the last to
-    leave restores it. (Each block restoring what it saw on entry would leave BLAS at one
-    thread whenever two blocks overlap and the first finishes first.) The first and the last
-    may be different threads: threadpoolctl (from 3.8) lets only one "controlling" thread
-    change an OpenBLAS built with pthreads and silently ignores the others, so each change
-    made here takes control for itself and gives it up at once (:func:`_change_blas`).
+    leave restores it, whichever threads they are. (Each block restoring what it saw on entry
+    would leave BLAS at one thread whenever two blocks overlap and the first finishes first.)
 
     Yields
     ------
@@ -69,50 +119,11 @@ def single_threaded_blas() -> Iterator[None]:
     >>> float(x[0, 0])
     64.0
     """
-    global _blas_holders, _blas_limiter
-    with _blas_lock:
-        if _blas_holders == 0:
-            _blas_limiter = _change_blas(lambda c: c.limit(limits=1, user_api="blas"))
-        _blas_holders += 1
+    _BLAS.enter()
     try:
         yield
     finally:
-        with _blas_lock:
-            _blas_holders -= 1
-            if _blas_holders == 0 and _blas_limiter is not None:
-                _change_blas(lambda c: _blas_limiter.restore_original_limits())
-                _blas_limiter = None
-
-
-def _change_blas(change: Callable):
-    """``change(controller)`` as the thread that controls BLAS's settings, whichever this is.
-
-    threadpoolctl 3.8 records the first thread that changes a pthreads OpenBLAS as its only
-    controller and ignores the changes of every other thread; its own ``with`` blocks hand
-    control back when they end. A change made here does the same: control is released before
-    (whoever held it last) and after, so the next change, from any thread, takes effect.
-    Called under ``_blas_lock``.
-    """
-    global _controller
-    from threadpoolctl import ThreadpoolController
-
-    if _controller is None:
-        _controller = ThreadpoolController()  # inspecting the libraries is slow: once
-    release = _release_blas_control()
-    release()
-    try:
-        return change(_controller)
-    finally:
-        release()
-
-
-def _release_blas_control() -> Callable[[], None]:
-    """A function that makes no thread the controller of OpenBLAS (a no-op before 3.8)."""
-    import threadpoolctl
-
-    openblas = getattr(threadpoolctl, "OpenBLASController", None)
-    clear = getattr(openblas, "clear_controlling_thread", None)
-    return (lambda: clear(force=True)) if clear is not None else (lambda: None)
+        _BLAS.leave()
 
 
 def run_in_threads(tasks: list[Callable[[], object]]) -> list:

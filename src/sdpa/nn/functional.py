@@ -23,8 +23,8 @@ from numbers import Integral
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .. import log_softmax, softmax
 from .._checks import as_float_array, check_nonneg_int, check_real, compute_dtype
+from ..softmax_stable import log_softmax, softmax
 
 __all__ = [
     "cross_entropy",

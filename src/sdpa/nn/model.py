@@ -25,17 +25,16 @@ from numbers import Real
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .. import (  # the public attention API of sdpa, which this model is built on
-    KVCache,
-    apply_rotary_embedding,
-    merge_heads,
-    scaled_dot_product_attention,
-    scaled_dot_product_attention_backward,
-    sinusoidal_positional_encoding,
-    softmax,
-    split_heads,
-)
+# The public attention API of sdpa, which this model is built on, from the modules that
+# define it (never from the package face, which imports sdpa.nn).
 from .._checks import check_nonneg_int, check_rng
+from ..attention import scaled_dot_product_attention
+from ..backward import scaled_dot_product_attention_backward
+from ..kvcache import KVCache
+from ..multihead import merge_heads, split_heads
+from ..positional import sinusoidal_positional_encoding
+from ..rope import apply_rotary_embedding
+from ..softmax_stable import softmax
 from .functional import (
     cross_entropy,
     cross_entropy_backward,

@@ -1,0 +1,147 @@
+"""The tiled paths' tunables, in one place, each with the measurement that chose it.
+
+Everything here is a choice of speed, never of the result's meaning: any tile size gives the
+same answer to rounding, and the margins and limits only decide which of two exact steps the
+kernel takes. Tile sizes and margins were measured with ``benchmarks/tune.py`` (CPU time of
+one worker thread, BLAS on one thread, configurations interleaved); the exponential is chosen
+from what the machine is, never from a timing in the user's process, so that every process on
+one machine computes the same bits. Nothing here changes at run time.
+
+Shape letters: ``Bq``/``Bk`` tile sizes (query rows, keys).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import sys
+from collections.abc import Callable
+from types import MappingProxyType
+
+import numpy as np
+
+__all__ = [
+    "BACKWARD_BLOCK_K",
+    "BACKWARD_BLOCK_Q",
+    "BLOCK_K",
+    "BLOCK_ROWS",
+    "BLOCK_ROWS_FULL",
+    "FOLD_LIMIT",
+    "LAZY_MARGIN",
+    "VALUE_FLOOR_BITS",
+    "svml_exp2",
+    "tile_exponential",
+]
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+# -- tile sizes of the forward kernel (sdpa.tiled) ------------------------------------------
+
+# Chosen on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core) with `benchmarks/tune.py tiles`.
+# The rows count *after* folding the heads of a group, so a tile of scores is at most
+# BLOCK_ROWS x BLOCK_K. Under a causal mask or a window, short tiles follow the diagonal more
+# closely; without one every tile is full, and longer tiles cost less per score (fewer work
+# units and NumPy calls, larger products): 4 x 8 heads of T = S = 1024 on 2 cores of an AMD
+# EPYC Zen 4 took 0.95 of the time with 1024 rows as with 512 in float32, 0.92 in float64.
+#: Query rows per tile, after folding the heads of a group, by working dtype.
+BLOCK_ROWS = MappingProxyType({_F32: 256, _F64: 256})
+#: Query rows per tile when no causal mask or window limits the keys, by working dtype
+#: (lowered to ``BLOCK_ROWS`` at least, so that every thread still gets a work unit).
+BLOCK_ROWS_FULL = MappingProxyType({_F32: 1024, _F64: 1024})
+#: Keys per tile, by working dtype.
+BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
+
+# -- tile sizes of the backward kernel (sdpa.backward) ---------------------------------------
+
+#: Query rows per tile of the tiled backward pass.
+BACKWARD_BLOCK_Q = 128
+#: Keys per tile of the tiled backward pass.
+BACKWARD_BLOCK_K = 256
+
+# -- the online softmax's margins -----------------------------------------------------------
+
+# Lazy rescaling: a row keeps its shift m while its scores stay below m + LAZY_MARGIN, so most
+# tiles need neither a row-maximum pass nor a rescaling of the accumulator. A tile is accepted
+# when every row sum of exp(scores - m) is at most e**LAZY_MARGIN, which bounds each term; a
+# row that starts at the shift 0 must end with a sum of at least e**-LAZY_MARGIN. 20 leaves
+# float32's e**88 far away and keeps the exact step rare (the fast-path appendix counts it).
+#: How far above a row's shift ``m`` a score may lie before the shift must move.
+LAZY_MARGIN = 20.0
+
+# Folding computes fl(q.k - m) instead of fl(q.k) - m: its rounding error grows with |m|, which
+# costs nothing while m is of the size of the scores, but a row whose scores are dominated by a
+# large bias (a float mask filled with finfo.min or -1e9) must subtract m separately, as the
+# reference path does, or q.k is lost.
+#: The largest ``|m|`` that is folded into the first matrix product.
+FOLD_LIMIT = 64.0
+
+# The accumulator's weights reach e**LAZY_MARGIN where the reference path's are at most 1, and
+# drop to e**-LAZY_MARGIN where the reference path's largest is at least 1 / S: values whose
+# results come within 2**64 of the smallest normal number are scaled by a power of two first.
+#: Results (of a value column) below ``2 ** VALUE_FLOOR_BITS`` times the smallest normal
+#: number make the tiled path scale the values by a power of two and compute again.
+VALUE_FLOOR_BITS = 64
+
+
+# -- the exponential ------------------------------------------------------------------------
+
+
+def tile_exponential(dtype) -> Callable[..., np.ndarray]:
+    """``numpy.exp2`` where NumPy computes it with SVML for ``dtype``, else ``numpy.exp``: the
+    default exponential of :func:`sdpa.tiled.attention_tiled`.
+
+    Decided from what the machine and NumPy's build are, never from a timing, so that every
+    process on one machine computes the same bits: ``exp2`` for float32 on Linux x86-64 when
+    NumPy dispatches its AVX-512 (SKX) loops, which hand float32 ``exp2`` to Intel's vector
+    math library SVML. There it ran 1.8 to 2.1 times as fast as ``exp`` (Intel Xeon Sapphire
+    Rapids, AMD EPYC Zen 4) and is correctly rounded to within 1 ulp (``exp`` to 2.4 ulp).
+    Float64 ``exp2`` gained at most 15 % there, and elsewhere ``exp2`` may be a scalar loop,
+    many times slower, so both take ``exp``. (SVML's ``exp2`` is slow on ``-inf`` and on
+    results that underflow: the kernel zeroes a tile's disallowed entries after the
+    exponential rather than set them to ``-inf`` before it.)
+
+    Parameters
+    ----------
+    dtype : dtype-like
+        The working dtype of the scores.
+
+    Returns
+    -------
+    numpy.ufunc
+        ``numpy.exp2`` or ``numpy.exp``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.tuning import svml_exp2, tile_exponential
+    >>> tile_exponential(np.float64) is np.exp  # exp2 is never chosen in float64
+    True
+    >>> tile_exponential(np.float32) is (np.exp2 if svml_exp2() else np.exp)
+    True
+    """
+    return np.exp2 if np.dtype(dtype) == _F32 and svml_exp2() else np.exp
+
+
+@functools.cache
+def svml_exp2() -> bool:
+    """Whether NumPy computes float32 ``exp2`` with SVML here: Linux, x86-64, and the AVX-512
+    (SKX) loops enabled (``NPY_DISABLE_CPU_FEATURES`` can turn them off).
+
+    Returns
+    -------
+    bool
+        What NumPy's build and its CPU-feature detection say; the same in every process.
+
+    Examples
+    --------
+    >>> from sdpa.tuning import svml_exp2
+    >>> svml_exp2() in (True, False)
+    True
+    """
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:  # pragma: no cover - NumPy 1.x
+        from numpy.core._multiarray_umath import __cpu_features__
+    return bool(__cpu_features__.get("AVX512_SKX", False))
