@@ -179,7 +179,9 @@ def test_no_underscored_name_of_sdpa_is_used_outside_it(path):
 
 
 @pytest.mark.parametrize(
-    "path", outside_files("benchmarks", "book"), ids=lambda p: str(p.relative_to(ROOT))
+    "path",
+    outside_files("benchmarks", "book", "src/sdpa_book"),
+    ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_the_book_and_the_benchmarks_import_only_public_names(path):
     private = []

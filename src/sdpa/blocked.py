@@ -1,7 +1,7 @@
 r"""Blocked attention, written to be read: FlashAttention-2's two loops and nothing else.
 
-:mod:`sdpa.tiled` is the fast kernel (threads, folded shifts, lazy rescaling, BLAS-friendly
-padding). This module is the same algorithm as a learner would write it from the paper, the
+:mod:`sdpa.tiled` is the fast kernel (threads, lazy rescaling, folded shifts, scores in base
+2). This module is the same algorithm as a learner would write it from the paper, the
 way nanoGPT keeps its slow path beside its fast one: the forward pass is two loops over blocks
 of queries and blocks of keys/values, carrying the online-softmax state, and the backward pass
 is two loops the other way round, recomputing the probabilities from the log-sum-exp the

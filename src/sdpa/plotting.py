@@ -20,11 +20,14 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["MAX_WIDTH", "heatmap", "mask_plot", "new_figure"]
+__all__ = ["ALLOWED_COLOR", "MASKED_COLOR", "MAX_WIDTH", "heatmap", "mask_plot", "new_figure"]
 
-MAX_WIDTH = 7.0  # inches: the book's content column at 1280 px, so figures are never shrunk
-MASKED_COLOR = "#c8c8c8"  # masked cells: a neutral grey that no colour map here contains
-ALLOWED_COLOR = "#0072b2"  # boolean masks: Okabe-Ito blue for "may attend"
+#: Inches: the book's content column at 1280 px, so figures are never shrunk.
+MAX_WIDTH = 7.0
+#: Masked cells: a neutral grey that no colour map here contains.
+MASKED_COLOR = "#c8c8c8"
+#: Boolean masks: Okabe-Ito blue for "may attend".
+ALLOWED_COLOR = "#0072b2"
 CMAPS = {"weights": "viridis", "signed": "RdBu_r"}
 
 

@@ -13,7 +13,7 @@ The attention goes through :func:`sdpa.scaled_dot_product_attention` and its gra
 :func:`sdpa.scaled_dot_product_attention_backward`; decoding uses :class:`sdpa.KVCache`.
 
 Shape letters: ``B`` batch, ``T`` sequence length, ``E`` model width (``d_model``), ``Hq`` query
-heads, ``Hkv`` key/value heads, ``Dk`` head width (``E / Hq``), ``F`` MLP width (``d_ff``),
+heads, ``Hkv`` key/value heads, ``Dk`` head width (``E / Hq``), ``Dff`` MLP width (``d_ff``),
 ``V`` vocabulary size.
 """
 
@@ -81,8 +81,8 @@ class _BlockCache:
     heads: np.ndarray  # (B, T, Hq * Dk) merged heads
     x_mid: np.ndarray | None = None  # (B, T, E) stream after the attention
     h2: np.ndarray | None = None  # (B, T, E) normalised input of the MLP
-    u: np.ndarray | None = None  # (B, T, F) pre-activation
-    g: np.ndarray | None = None  # (B, T, F) activation
+    u: np.ndarray | None = None  # (B, T, Dff) pre-activation
+    g: np.ndarray | None = None  # (B, T, Dff) activation
 
 
 class DecoderLM:
@@ -103,7 +103,7 @@ class DecoderLM:
         ``Hkv``, key/value heads; a divisor of ``n_heads`` (grouped-query attention when
         smaller, multi-query when 1). Default ``n_heads``.
     d_ff : int, optional
-        ``F``, the hidden width of the MLP; default ``4 * d_model``. Unused when
+        ``Dff``, the hidden width of the MLP; default ``4 * d_model``. Unused when
         ``attention_only``.
     max_len : int
         The longest sequence the model accepts (the context length), for training and for
@@ -150,23 +150,23 @@ class DecoderLM:
     **Parameters** (``i`` the block index; the ``.bias`` of a norm exists only for
     ``norm="layer"``, the MLP only without ``attention_only``):
 
-    ==================================  ====================  ====================================
-    name                                shape                 role
-    ==================================  ====================  ====================================
-    ``token_embedding``                 ``(V, E)``            row ``t``: the vector of token ``t``
-    ``position_embedding``              ``(max_len, E)``      learned positions only
-    ``blocks.i.attn_norm.weight/bias``  ``(E,)``              norm before the attention
-    ``blocks.i.attn.w_q``               ``(E, Hq Dk)``        queries; head ``h`` in columns
-                                                              ``h Dk : (h+1) Dk``
-    ``blocks.i.attn.w_k``, ``w_v``      ``(E, Hkv Dk)``       keys and values
-    ``blocks.i.attn.w_o``               ``(Hq Dk, E)``        heads to the stream; head ``h``
-                                                              in rows ``h Dk : (h+1) Dk``
-    ``blocks.i.mlp_norm.weight/bias``   ``(E,)``              norm before the MLP
-    ``blocks.i.mlp.w_in``, ``b_in``     ``(E, F)``, ``(F,)``  ``u = h W_in + b_in``
-    ``blocks.i.mlp.w_out``, ``b_out``   ``(F, E)``, ``(E,)``  ``gelu(u) W_out + b_out``
-    ``final_norm.weight/bias``          ``(E,)``              norm before the unembedding
-    ``unembedding``                     ``(E, V)``            stream to logits
-    ==================================  ====================  ====================================
+    ==================================  ========================  ====================================
+    name                                shape                     role
+    ==================================  ========================  ====================================
+    ``token_embedding``                 ``(V, E)``                row ``t``: the vector of token ``t``
+    ``position_embedding``              ``(max_len, E)``          learned positions only
+    ``blocks.i.attn_norm.weight/bias``  ``(E,)``                  norm before the attention
+    ``blocks.i.attn.w_q``               ``(E, Hq Dk)``            queries; head ``h`` in columns
+                                                                  ``h Dk : (h+1) Dk``
+    ``blocks.i.attn.w_k``, ``w_v``      ``(E, Hkv Dk)``           keys and values
+    ``blocks.i.attn.w_o``               ``(Hq Dk, E)``            heads to the stream; head ``h``
+                                                                  in rows ``h Dk : (h+1) Dk``
+    ``blocks.i.mlp_norm.weight/bias``   ``(E,)``                  norm before the MLP
+    ``blocks.i.mlp.w_in``, ``b_in``     ``(E, Dff)``, ``(Dff,)``  ``u = h W_in + b_in``
+    ``blocks.i.mlp.w_out``, ``b_out``   ``(Dff, E)``, ``(E,)``    ``gelu(u) W_out + b_out``
+    ``final_norm.weight/bias``          ``(E,)``                  norm before the unembedding
+    ``unembedding``                     ``(E, V)``                stream to logits
+    ==================================  ========================  ====================================
 
     Zeroing rows ``h Dk : (h+1) Dk`` of ``w_o`` removes head ``h``'s contribution exactly
     (an ablation).
@@ -193,8 +193,8 @@ class DecoderLM:
     ((1, 5, 11), 2, (1, 4, 5, 5))
     >>> bool(np.all(np.triu(attention[0][0, 0], k=1) == 0))  # causal: no weight on the future
     True
-    >>> # embedding V E; per block 2 norms (2 x 2E), w_q w_k w_v w_o (4 E^2), MLP (2 E F + F + E);
-    >>> # final norm 2E; unembedding E V, with V = 11, E = 16, F = 64:
+    >>> # embedding V E; per block 2 norms (2 x 2E), w_q w_k w_v w_o (4 E^2), MLP (2 E Dff + Dff + E);
+    >>> # final norm 2E; unembedding E V, with V = 11, E = 16, Dff = 64:
     >>> sum(p.size for p in model.params.values())
     6816
     """
@@ -374,7 +374,7 @@ class DecoderLM:
         """``x + mlp(norm(x))`` for block ``i``; fills ``cache`` when given."""
         p = f"blocks.{i}."
         h2 = self._norm(x, p + "mlp_norm")
-        u = linear(h2, self.params[p + "mlp.w_in"], self.params[p + "mlp.b_in"])  # (B, T, F)
+        u = linear(h2, self.params[p + "mlp.w_in"], self.params[p + "mlp.b_in"])  # (B, T, Dff)
         g = gelu(u, approximate=GELU)
         if cache is not None:
             cache.x_mid, cache.h2, cache.u, cache.g = x, h2, u, g
