@@ -8,6 +8,7 @@ cannot pass.
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -449,6 +450,147 @@ def test_tiled_backward_memory_does_not_grow_with_the_score_matrix(rng):
     scores_bytes = n * n * 8
     assert peaks["reference"] > 2 * scores_bytes  # P and dS at least
     assert peaks["tiled"] < scores_bytes / 4  # a few (Bq, Bk) tiles and O(n d) arrays
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiled path: reproducible to the bit, and as accurate as the reference path
+# ---------------------------------------------------------------------------------------------
+
+
+def _reproducibility_case(rng, factor=3.0):
+    """float32, causal, GQA, 11 key tiles of 8: the order of d_q's additions shows in its last
+    bits (see the next test). q and k times 3 give scores in the tens, whose rows the tiled
+    path renormalises; times 0.75, scores of RMS below 1, whose weights it takes from lse."""
+    q = randn(rng, 3, 4, 61, 16, dtype=np.float32) * factor  # (B, Hq, T, Dk)
+    k = randn(rng, 3, 2, 88, 16, dtype=np.float32) * factor  # (B, Hkv, S, Dk)
+    v = randn(rng, 3, 2, 88, 5, dtype=np.float32)  # (B, Hkv, S, Dv)
+    d_out = randn(rng, 3, 4, 61, 5, dtype=np.float32)
+    options = dict(is_causal=True, enable_gqa=True, implementation="tiled", block_q=8, block_k=8)
+    return (d_out, q, k, v), options
+
+
+@pytest.mark.parametrize("factor", [0.75, 3.0], ids=["from lse", "renormalised"])
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_tiled_backward_is_bitwise_reproducible_from_any_thread(rng, num_threads, factor):
+    # Which worker adds which key tile into d_q, and so the rounding of d_q, must not depend on
+    # the scheduling: 24 calls made at once from 6 threads equal a call from the main thread.
+    args, options = _reproducibility_case(rng, factor)
+    want = attention_backward(*args, **options, num_threads=num_threads)
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        calls = [
+            pool.submit(attention_backward, *args, **options, num_threads=num_threads)
+            for _ in range(24)
+        ]
+        results = [call.result() for call in calls]
+    for got in results:
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_the_order_of_additions_shows_in_the_bits_of_d_q(rng, monkeypatch):
+    # The test above can fail: with the key tiles shared out at random among the 3 workers,
+    # d_q's bits change (and d_k, d_v, whose tiles one worker each computes, do not).
+    import sdpa.backward as backward
+
+    args, options = _reproducibility_case(rng)
+    want = attention_backward(*args, **options, num_threads=3)
+    shuffle = np.random.default_rng(1)
+
+    def random_shares(costs, num_threads):
+        owner = shuffle.integers(num_threads, size=len(costs))
+        return [list(np.flatnonzero(owner == w)) for w in range(num_threads)]
+
+    monkeypatch.setattr(backward, "_assign_tiles", random_shares)
+    results = [attention_backward(*args, **options, num_threads=3) for _ in range(4)]
+    assert any(not np.array_equal(got[0], want[0]) for got in results)
+    for got in results:
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[2], want[2])
+
+
+def test_key_tiles_are_shared_evenly_under_a_causal_mask():
+    # Causal, T = S = 1024 in (128, 256) tiles: key tile j meets 8, 6, 4, 2 query tiles. The
+    # fixed rule gives two workers 8 + 2 and 6 + 4 of them, as even as a shared queue would.
+    import sdpa.backward as backward
+    from sdpa.problem import prepare_attention
+
+    x = np.zeros((1024, 2))
+    problem = prepare_attention(x, x, x, is_causal=True)
+    q_spans, k_spans = backward._spans(1024, 128), backward._spans(1024, 256)
+    costs = [backward._band_area(problem, q_spans, [span]) for span in k_spans]
+    assert costs == [n * 128 * 256 for n in (8, 6, 4, 2)]
+    assert backward._assign_tiles(costs, 2) == [[0, 3], [1, 2]]
+    assert backward._assign_tiles(costs, 3) == [[0], [1], [2, 3]]
+
+
+def exact_gradients(d_out, q, k, v, allowed=None, *, is_causal=False, enable_gqa=False):
+    """``(d_q, d_k, d_v)`` by the textbook formulas in extended precision (``np.longdouble``),
+    the yardstick of the accuracy test: a float64 result needs one finer than float64."""
+    X = np.longdouble
+    q, k, v, d_out = (np.asarray(a, dtype=X) for a in (q, k, v, d_out))
+    G = q.shape[-3] // k.shape[-3] if enable_gqa else 1
+    k, v = np.repeat(k, G, axis=-3), np.repeat(v, G, axis=-3)  # key/value head h // G
+    T_, S_, Dk = q.shape[-2], k.shape[-2], q.shape[-1]
+    ok = band_by_loop(T_, S_, is_causal=is_causal)
+    if allowed is not None:
+        ok = ok & allowed
+    scale = 1 / np.sqrt(X(Dk))
+    scores = np.where(ok, (q @ np.swapaxes(k, -1, -2)) * scale, -np.inf)  # (..., T, S)
+    top = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - np.where(np.isfinite(top), top, 0))
+    total = e.sum(axis=-1, keepdims=True)
+    weights = e / np.where(total > 0, total, 1)  # fully masked rows: zeros
+    delta = np.sum(d_out * (weights @ v), axis=-1, keepdims=True)  # (..., T, 1)
+    d_scores = weights * (d_out @ np.swapaxes(v, -1, -2) - delta) * scale
+    d_q = d_scores @ k  # (..., T, S) @ (..., S, Dk)
+    d_k = np.swapaxes(d_scores, -1, -2) @ q  # (..., S, T) @ (..., T, Dk)
+    d_v = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, T) @ (..., T, Dv)
+    if G > 1:  # each key/value head receives the sum over its group
+        d_k, d_v = (x.reshape(*x.shape[:-3], -1, G, *x.shape[-2:]).sum(-3) for x in (d_k, d_v))
+    return d_q, d_k, d_v
+
+
+def _relative_error(got, exact):
+    """Normwise relative error ``|got - exact| / |exact|`` (Frobenius norms)."""
+    diff = got.astype(np.longdouble) - exact
+    return float(np.linalg.norm(diff.ravel()) / np.linalg.norm(exact.ravel()))
+
+
+FACTORS = (1, 10, 30, 100)  # q and k times these: scores of order 1 to 10^4
+
+
+@pytest.mark.parametrize("case", ["plain", "bool mask", "GQA"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tiled_backward_is_as_accurate_as_the_reference_at_large_scores(
+    rng, dtype, is_causal, case
+):
+    # The tiled path rebuilds the weights from the forward pass's lse, computed from scores
+    # rounded in another arithmetic; at scores in the thousands its rows summed to 1 +- |s| eps
+    # and its errors were up to 10^4 times the reference path's. Within 2x on the whole grid.
+    if np.finfo(np.longdouble).eps >= np.finfo(np.float64).eps and dtype == np.float64:
+        pytest.skip("np.longdouble is no wider than float64 here: no yardstick for float64")
+    Hq, Hkv = (6, 3) if case == "GQA" else (3, 3)
+    allowed = rng.random((40, 56)) < 0.7 if case == "bool mask" else None
+    options = dict(attn_mask=allowed, is_causal=is_causal, enable_gqa=case == "GQA")
+    ratios = {}
+    for factor in FACTORS:
+        q = randn(rng, 2, Hq, 40, 16) * factor  # (B, Hq, T, Dk); Dk = 16: the scale 1/4 is exact
+        k = randn(rng, 2, Hkv, 56, 16) * factor
+        v, d_out = randn(rng, 2, Hkv, 56, 8), randn(rng, 2, Hq, 40, 8)
+        args = tuple(a.astype(dtype) for a in (d_out, q, k, v))
+        exact = exact_gradients(*args, allowed, is_causal=is_causal, enable_gqa=case == "GQA")
+        errors = {}
+        for impl in ("reference", "tiled"):
+            grads = attention_backward(
+                *args, **options, implementation=impl, block_q=16, block_k=24, num_threads=2
+            )
+            errors[impl] = np.array([_relative_error(g, e) for g, e in zip(grads, exact)])
+        floor = np.finfo(dtype).eps  # below this an error is rounding of the result itself
+        ratios[factor] = errors["tiled"] / np.maximum(errors["reference"], floor)
+    worst = {f: float(np.round(r.max(), 2)) for f, r in ratios.items()}
+    assert max(worst.values()) <= 2, f"tiled / reference error (d_q, d_k, d_v) by factor: {worst}"
 
 
 # ---------------------------------------------------------------------------------------------

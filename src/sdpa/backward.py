@@ -20,7 +20,12 @@ same as the forward pass, so every argument means exactly what it means there):
 * :func:`backward_reference` builds the whole ``(T, S)`` weight matrix, one formula per line;
 * :func:`backward_tiled` is the FlashAttention-2 backward: it stores nothing of size ``T x S``,
   but recomputes ``P`` tile by tile from the log-sum-exp ``lse`` saved by the forward pass,
-  ``P_ij = exp(S_ij - lse_i)``, so its extra memory is ``O(T + S)`` per head.
+  ``P_ij = exp(S_ij - lse_i)``, so its extra memory is ``O(T + S)`` per head. Where the scores
+  are large (``RENORMALISE_RMS``) the forward pass's ``lse`` and ``D``, rounded in another
+  arithmetic, are not accurate enough: a first pass over those query tiles recomputes each
+  row's maximum ``m``, normaliser ``l`` and ``D`` from the backward's own scores, and
+  ``P_ij = exp(S_ij - m_i) / l_i``. Its worker threads share the key tiles by a fixed rule,
+  so its results are the same to the bit on every call with the same ``num_threads``.
 
 Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``T`` queries, ``S`` keys,
 ``Dk`` query/key width, ``Dv`` value width, ``Bq``/``Bk`` tile sizes.
@@ -28,7 +33,8 @@ Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``T`` quer
 
 from __future__ import annotations
 
-import threading
+import functools
+import math
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -44,25 +50,19 @@ from .problem import (
     poisoned_rows,
     prepare_attention,
 )
-from .threads import default_num_threads, run_in_threads
+from .threads import default_num_threads, run_in_threads, single_threaded_blas
 from .tiled import attention_tiled
+from .tuning import (
+    BACKWARD_BLOCK_K,
+    BACKWARD_BLOCK_Q,
+    LSE_EXACT_LIMIT,
+    RENORMALISE_LSE,
+    RENORMALISE_RMS,
+)
 
 __all__ = ["scaled_dot_product_attention_backward"]
 
 IMPLEMENTATIONS = ("auto", "reference", "tiled")
-
-# Default tile sizes: a (Bq, Bk) tile of float64 scores is 256 KiB, half the 512 KiB level-2
-# cache of one core of the machine they were chosen on (AMD EPYC, Zen 3). "auto" tiles exactly
-# when the forward pass would (sdpa.cost_model.worth_tiling, its cost model of both paths).
-DEFAULT_BLOCK_Q = 128
-DEFAULT_BLOCK_K = 256
-
-# The weights are rebuilt as P = exp(scores - lse). The rounding of a stored lse is an error in
-# every exponent, of up to half a unit in its last place: negligible while |lse| is small, but
-# at |lse| = 1e4 in float32 it is 5e-4, and at lse = finfo.min (a row whose every key carries
-# the bias finfo.min) it swallows log(l) entirely. Rows with |lse| above this limit use the
-# forward pass's two parts instead, P = exp(scores - m) / l (recomputed if only lse is given).
-LSE_EXACT_LIMIT = 64.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,8 +189,8 @@ def backward_tiled(
     *,
     m: np.ndarray | None = None,
     ell: np.ndarray | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int = BACKWARD_BLOCK_Q,
+    block_k: int = BACKWARD_BLOCK_K,
     num_threads: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The FlashAttention-2 backward pass: recompute ``P`` one ``(Bq, Bk)`` tile at a time.
@@ -198,12 +198,19 @@ def backward_tiled(
     The outer loop runs over key/value tiles, which own their ``d_k`` and ``d_v`` rows; the
     inner loop over query tiles adds into ``d_q``. Tiles that the causal/window band masks out
     entirely are skipped. With ``num_threads > 1`` the key/value tiles are shared out among
-    worker threads, each with its own ``d_q`` accumulator (summed at the end) and BLAS held to
-    one thread. Same arguments and results as :func:`backward_reference`, except that ``out``
-    and ``lse`` are required; ``m`` and ``ell`` (from ``attention_tiled(return_stats=True)``)
-    are the two parts of ``lse``, used for the rows where ``lse`` alone is not exact (they are
-    recomputed when needed and not given).
+    worker threads by a fixed rule (:func:`_assign_tiles`), each with its own ``d_q``
+    accumulator, summed at the end in worker order, and BLAS held to one thread: the results
+    are the same to the bit on every call with the same inputs and ``num_threads``.
+
+    ``P = exp(scores - lse)`` and ``D = rowsum(dO * O)`` from the forward pass, except in the
+    query tiles that hold a row of large scores (:func:`_renormalised_rows`): there each row's
+    maximum ``m``, normaliser ``l`` and ``D`` are recomputed first from the scores exactly as
+    this pass rounds them (:func:`_row_statistics`), and ``P = exp(scores - m) / l``. Same
+    arguments and results as :func:`backward_reference`, except that ``out`` and ``lse`` are
+    required; ``m`` and ``ell`` (the forward pass's two parts of ``lse``) are accepted and not
+    used: the recomputed ones replace them, wherever ``lse`` alone would not be exact.
     """
+    del m, ell  # the forward pass's normalisers: _row_statistics recomputes them where needed
     q, k, v = problem.query, problem.key, problem.value
     dtype = problem.work_dtype
     scale = dtype.type(problem.scale)
@@ -211,43 +218,30 @@ def backward_tiled(
     batch = problem.batch_shape
     with overflow_checked(problem):
         q_scaled = q * scale  # (..., T, Dk): scaled once, as the forward pass does
-    D = np.sum(d_out * out, axis=-1)  # (*batch, T): rowsum(dO * O)
-    # P = exp(scores - shift) * inv_l: shift = lse, inv_l = 1 for most rows; shift = m and
-    # inv_l = 1 / l for rows whose lse is too large to be exact.
-    inexact = _inexact_lse(lse)
-    if inexact.any():
-        if m is None:
-            _, _, m, ell = attention_tiled(problem, return_stats=True, mark=False)
-        m = np.broadcast_to(m, (*batch, T))
-        ell = np.broadcast_to(ell, (*batch, T))
-        shift = np.where(inexact, m, lse)
-        inv_l = np.ones((*batch, T), dtype=dtype)
-        np.divide(1, ell, out=inv_l, where=inexact & (ell > 0))
-    else:
-        shift, inv_l = lse, None
-    shift = np.where(np.isneginf(shift), 0, shift).astype(dtype, copy=False)  # (*batch, T)
+    q_spans, k_spans = _spans(T, block_q), _spans(S, block_k)
+    # P = exp(scores - shift) * inv_l (in the query tiles starting at `renormalised` only)
+    shift, inv_l, D, renormalised = _normalisers(
+        problem, q_scaled, d_out, out, lse, q_spans, k_spans, num_threads
+    )
     d_k = np.zeros((*batch, S, Dk), dtype=dtype)
     d_v = np.zeros((*batch, S, Dv), dtype=dtype)
 
-    def key_tile(s0: int, d_q: np.ndarray) -> None:
+    def key_tile(span: tuple[int, int], d_q: np.ndarray) -> None:
         with np.errstate(over="ignore"):  # scores - shift may overflow to -inf: P = 0
-            key_tile_rows(s0, d_q)
+            key_tile_rows(*span, d_q)
 
-    def key_tile_rows(s0: int, d_q: np.ndarray) -> None:
-        s1 = min(s0 + block_k, S)
+    def key_tile_rows(s0: int, s1: int, d_q: np.ndarray) -> None:
         k_tile = k[..., s0:s1, :]  # (..., Bk, Dk)
         v_tile = v[..., s0:s1, :]  # (..., Bk, Dv)
         d_k_tile = d_k[..., s0:s1, :]  # views: this tile's rows are written by this task only
         d_v_tile = d_v[..., s0:s1, :]
-        for t0 in range(0, T, block_q):
-            t1 = min(t0 + block_q, T)
-            band = problem.band_mask(t0, t1, s0, s1)  # (Bq, Bk) or None
-            if band is not None and not band.any():
+        for t0, t1 in q_spans:
+            if not _tile_in_band(problem, t0, t1, s0, s1):
                 continue  # the whole tile is outside the causal/window band
             scores = masked_scores(problem, q_scaled, t0, t1, s0, s1)  # (*batch, Bq, Bk)
             p = scores - shift[..., t0:t1, None]
-            np.exp(p, out=p)  # P recomputed from lse: no (T, S) matrix is ever stored
-            if inv_l is not None and inexact[..., t0:t1].any():
+            np.exp(p, out=p)  # P recomputed: no (T, S) matrix is ever stored
+            if t0 in renormalised:
                 p *= inv_l[..., t0:t1, None]
             d_out_tile = d_out[..., t0:t1, :]  # (*batch, Bq, Dv)
             d_v_tile += np.swapaxes(p, -1, -2) @ d_out_tile  # (..., Bk, Bq) @ (..., Bq, Dv)
@@ -257,33 +251,182 @@ def backward_tiled(
             d_q[..., t0:t1, :] += d_p @ k_tile  # (..., Bq, Bk) @ (..., Bk, Dk)
             d_k_tile += np.swapaxes(d_p, -1, -2) @ q_scaled[..., t0:t1, :]  # (..., Bk, Dk)
 
-    starts = list(range(0, S, block_k))
-    num_threads = max(1, min(num_threads, len(starts)))
-    if num_threads == 1:
-        d_q = np.zeros((*batch, T, Dk), dtype=dtype)
-        for s0 in starts:
-            key_tile(s0, d_q)
-    else:
-        d_q = _run_threaded(key_tile, starts, num_threads, (*batch, T, Dk), dtype)
+    costs = [_band_area(problem, q_spans, [span]) for span in k_spans]
+    d_q = _run_threaded(key_tile, k_spans, costs, num_threads, (*batch, T, Dk), dtype)
     d_q *= scale
     return d_q, d_k, d_v
 
 
-def _run_threaded(task, starts, num_threads, d_q_shape, dtype) -> np.ndarray:
-    """Run ``task(s0, d_q)`` for every key tile on ``num_threads`` workers; return the summed ``d_q``."""
-    lock = threading.Lock()
-    pending = iter(starts)
+# --------------------------------------------------------------------------------------------
+# The tiled path's normalisers, tiles and threads
+# --------------------------------------------------------------------------------------------
 
-    def worker() -> np.ndarray:
-        d_q = np.zeros(d_q_shape, dtype=dtype)  # private accumulator: no two threads add into one
-        while True:
-            with lock:
-                s0 = next(pending, None)
-            if s0 is None:
-                return d_q
-            task(s0, d_q)
 
-    partials = run_in_threads([worker] * num_threads)
+def _normalisers(problem, q_scaled, d_out, out, lse, q_spans, k_spans, num_threads):
+    """``(shift, inv_l, D, renormalised)``: the main pass rebuilds ``P = exp(scores - shift)``,
+    times ``inv_l`` in the query tiles whose starts are in the set ``renormalised``.
+
+    ``shift = lse`` (0 in fully masked rows) and ``D = rowsum(dO * O)`` from the forward pass,
+    except in the query tiles holding a row of large scores (:func:`_renormalised_rows`),
+    whose rows take ``shift = m``, ``inv_l = 1 / l`` and ``D`` from :func:`_row_statistics`.
+    Each of ``shift``, ``inv_l`` (None if no tile is renormalised) and ``D`` is
+    ``(*batch_shape, T)``.
+    """
+    shift = np.where(np.isneginf(lse), 0, lse).astype(problem.work_dtype, copy=False)
+    D = np.sum(d_out * out, axis=-1)  # (*batch, T): rowsum(dO * O)
+    with single_threaded_blas():  # see _run_shared
+        large = _renormalised_rows(problem, q_scaled, lse)
+    spans = [(t0, t1) for t0, t1 in q_spans if large[..., t0:t1].any()]
+    if not spans:
+        return shift, None, D, set()
+    m, ell, D_own = _row_statistics(problem, q_scaled, d_out, spans, k_spans, num_threads)
+    own = ell > 0  # the rows of those tiles (a fully masked row keeps P = 0)
+    inv_l = np.ones_like(shift)
+    np.divide(1, ell, out=inv_l, where=own)
+    return np.where(own, m, shift), inv_l, np.where(own, D_own, D), {t0 for t0, _ in spans}
+
+
+def _renormalised_rows(problem: AttentionProblem, q_scaled: np.ndarray, lse: np.ndarray):
+    """``(*batch_shape, T)`` bool: rows whose scores are large enough for the forward pass's
+    rounding of them to matter (see ``RENORMALISE_RMS``); never a fully masked one.
+
+    The root-mean-square score of row ``i`` over all ``S`` keys (masks aside) comes from the
+    keys' Gram matrix, ``rms_i^2 = q_i^T (K^T K) q_i / S`` with ``q_i`` scaled: ``T Dk^2`` work
+    per head, not ``T S Dk``. A bias shows in ``lse`` instead, as does a single large score.
+    """
+    k = problem.key
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow gives inf or NaN: flagged
+        gram = np.swapaxes(k, -1, -2) @ k  # (..., Dk, S) @ (..., S, Dk) -> (..., Dk, Dk)
+        mean_square = np.sum((q_scaled @ gram) * q_scaled, axis=-1) / max(problem.S, 1)
+    small = (mean_square <= RENORMALISE_RMS**2) & (np.abs(lse) <= RENORMALISE_LSE)  # (..., T)
+    return ~small & np.isfinite(lse)
+
+
+def _row_statistics(problem, q_scaled, d_out, spans, k_spans, num_threads):
+    """``(m, ell, D)``, each ``(*batch_shape, T)``, of the rows of the query tiles ``spans``,
+    from the scores exactly as the main pass rounds them (``ell = 0`` in the other rows).
+
+    ``m`` is a row's maximum, ``ell`` the sum of ``exp(scores - m)``, and ``D = rowsum(dO * O)``
+    with ``O = P V`` rebuilt from these weights: the main pass's rows ``P = exp(scores - m) /
+    ell`` then sum to one to rounding, and ``D`` is the ``rowsum(P * dP)`` of that very ``P``,
+    so that the rounding cancels in ``P * (dP - D)`` as on the reference path. One pass of the
+    online softmax (a new maximum rescales the sums) over the key tiles of each query tile, on
+    the scores of :func:`sdpa.problem.masked_scores` for the main pass's tiles. Each query tile
+    is the task of one worker, which owns its rows: no sums across threads.
+    """
+    dtype = problem.work_dtype
+    batch, T, Dv = problem.batch_shape, problem.T, problem.Dv
+    m = np.full((*batch, T), -np.inf, dtype=dtype)
+    ell = np.zeros((*batch, T), dtype=dtype)
+    D = np.zeros((*batch, T), dtype=dtype)
+    v = problem.value
+    ones = np.ones(max((s1 - s0 for s0, s1 in k_spans), default=0), dtype=dtype)
+
+    def query_tile(span: tuple[int, int], _) -> None:
+        t0, t1 = span
+        m_t, ell_t = m[..., t0:t1], ell[..., t0:t1]  # (*batch, Bq) views of this task's rows
+        acc = np.zeros((*batch, t1 - t0, Dv), dtype=dtype)  # sum of exp(scores - m) v
+        for s0, s1 in k_spans:
+            if not _tile_in_band(problem, t0, t1, s0, s1):
+                continue
+            scores = masked_scores(problem, q_scaled, t0, t1, s0, s1)  # (*batch, Bq, Bk)
+            m_new = np.maximum(m_t, np.max(scores, axis=-1))  # -inf: no allowed key yet
+            shift = np.where(np.isneginf(m_new), 0, m_new).astype(dtype, copy=False)
+            p = scores - shift[..., None]
+            np.exp(p, out=p)  # exp(scores - m_new), at most 1
+            alpha = np.exp(m_t - shift)  # (*batch, Bq): the old sums, to the new maximum
+            ell_t *= alpha
+            ell_t += p @ ones[: s1 - s0]  # row sums: (..., Bq, Bk) @ (Bk,) -> (..., Bq)
+            acc *= alpha[..., None]
+            acc += p @ v[..., s0:s1, :]  # (..., Bq, Bk) @ (..., Bk, Dv) -> (..., Bq, Dv)
+            m_t[...] = m_new
+        d_out_acc = np.sum(d_out[..., t0:t1, :] * acc, axis=-1)  # (*batch, Bq): ell * D
+        np.divide(d_out_acc, ell_t, out=D[..., t0:t1], where=ell_t > 0)
+
+    costs = [_band_area(problem, [span], k_spans) for span in spans]
+    _run_shared(query_tile, spans, costs, num_threads)
+    return m, ell, D
+
+
+def _spans(n: int, block: int) -> list[tuple[int, int]]:
+    """The tiles ``(start, stop)`` of ``range(n)`` in blocks of ``block``."""
+    return [(start, min(start + block, n)) for start in range(0, n, block)]
+
+
+def _tile_in_band(problem: AttentionProblem, t0: int, t1: int, s0: int, s1: int) -> bool:
+    """Whether the causal/window band lets some query of ``t0:t1`` attend some key of ``s0:s1``.
+
+    Query ``i`` may attend key ``j`` when ``lo <= j - (i + o) <= hi``; over the tile,
+    ``j - (i + o)`` takes every integer from ``s0 - (t1 - 1) - o`` to ``s1 - 1 - t0 - o``.
+    """
+    lo, hi = problem.band
+    first = s0 - (t1 - 1) - problem.offset
+    last = s1 - 1 - t0 - problem.offset
+    return max(first, -math.inf if lo is None else lo) <= min(last, math.inf if hi is None else hi)
+
+
+def _band_area(problem: AttentionProblem, q_spans, k_spans) -> int:
+    """The scores computed on the tiles ``q_spans x k_spans`` in the band: a tile's cost."""
+    return sum(
+        (t1 - t0) * (s1 - s0)
+        for t0, t1 in q_spans
+        for s0, s1 in k_spans
+        if _tile_in_band(problem, t0, t1, s0, s1)
+    )
+
+
+def _assign_tiles(costs: list[int], num_threads: int) -> list[list[int]]:
+    """Share tiles among ``num_threads`` workers by a fixed rule: the indices each one runs.
+
+    The costliest tile first, each to the worker with the least work so far (the lowest index
+    on a tie); each worker then runs its tiles in index order. The shares depend on the costs
+    alone, never on the scheduling, so the order of every addition into a worker's ``d_q`` is
+    fixed; longest first keeps the work balanced under a causal mask, where the last key tiles
+    cost least (costs 8, 6, 4, 2 on two workers: 8 + 2 and 6 + 4).
+    """
+    loads = [0] * num_threads
+    shares: list[list[int]] = [[] for _ in range(num_threads)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):  # stable: ties in index order
+        w = min(range(num_threads), key=lambda w: (loads[w], w))
+        shares[w].append(i)
+        loads[w] += costs[i]
+    return [sorted(share) for share in shares]
+
+
+def _run_shared(task, items, costs, num_threads, accumulator=None) -> list:
+    """Run ``task(item, acc)`` for every item, on workers holding the shares of
+    :func:`_assign_tiles`; each worker's ``acc`` is its own ``accumulator()`` (or None). Returns
+    the accumulators in worker order.
+
+    BLAS is held to one thread throughout, also with one worker (which runs in the calling
+    thread) and in the small products just before: on the 2-core test machine OpenBLAS's own
+    threads, spinning after a product of the calling thread, made the workers' tiles up to
+    twice as slow, and while other processes were busy its threaded small products made the
+    one-worker path about 10 times as slow.
+    """
+    num_threads = max(1, min(num_threads, len(items)))
+    shares = _assign_tiles(costs, num_threads)
+
+    def worker(share: list[int]):
+        acc = None if accumulator is None else accumulator()
+        for i in share:
+            task(items[i], acc)
+        return acc
+
+    if num_threads == 1:
+        with single_threaded_blas():  # as in the threads: BLAS's own threads slow tiles down
+            return [worker(shares[0])]
+    return run_in_threads([functools.partial(worker, share) for share in shares])
+
+
+def _run_threaded(task, items, costs, num_threads, d_q_shape, dtype) -> np.ndarray:
+    """Run ``task(item, d_q)`` for every key tile on ``num_threads`` workers, each adding into a
+    ``d_q`` of its own; return their sum, added in worker order (the same additions every call)."""
+
+    def accumulator() -> np.ndarray:
+        return np.zeros(d_q_shape, dtype=dtype)
+
+    partials = _run_shared(task, items, costs, num_threads, accumulator)
     total = partials[0]
     for partial in partials[1:]:
         total += partial
@@ -372,7 +515,9 @@ def scaled_dot_product_attention_backward(
         Tile sizes ``Bq`` and ``Bk`` of the tiled path (default 128 and 256).
     num_threads : int, optional
         Worker threads of the tiled path; default: the cores available
-        (:func:`sdpa.threads.default_num_threads`), as for the forward pass.
+        (:func:`sdpa.threads.default_num_threads`), as for the forward pass. They share the
+        key tiles by a fixed rule: for the same inputs and ``num_threads`` the gradients are
+        the same to the bit on every call, from any calling thread.
 
     Returns
     -------
@@ -421,9 +566,15 @@ def scaled_dot_product_attention_backward(
     **Exact weights from lse.** ``P = exp(scores - lse)`` inherits the rounding of ``lse`` in
     every exponent: half a unit in its last place, negligible for ``|lse| <= 64`` but 5e-4 at
     ``lse = 1e4`` in float32, and everything at ``lse = finfo.min`` (a row whose keys all carry
-    that bias). Rows beyond 64 therefore use the forward pass's maximum and sum separately,
-    ``P = exp(scores - m) / l`` (recomputed when only ``lse`` is given), so the gradients are
-    as exact as the reference path's whatever the bias.
+    that bias). The reference path therefore computes the softmax anew in rows beyond 64. The
+    tiled path's forward pass rounds its scores in another arithmetic (its own tiles, base 2
+    where that is faster, a shift folded into the product), so its ``lse`` and ``out`` are off
+    from the backward's own by about ``|score| * eps``: in the query tiles holding a row whose
+    root-mean-square score exceeds 1.5 or whose ``|lse|`` exceeds 16, the tiled path first
+    recomputes each row's maximum ``m``, normaliser ``l`` and ``D = rowsum(dO * O)`` from its
+    own scores, and uses ``P = exp(scores - m) / l``. Its gradients are then as accurate as the
+    reference path's (within a factor 2, measured with scores up to 10^4, and whatever the
+    bias), at the price of about two thirds of the backward's time again on those tiles.
 
     **Dropout** is not supported: this is the gradient of the call with ``dropout_p = 0``.
 
@@ -467,8 +618,8 @@ def scaled_dot_product_attention_backward(
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
-    block_q = DEFAULT_BLOCK_Q if block_q is None else check_positive_int(block_q, "block_q")
-    block_k = DEFAULT_BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
+    block_q = BACKWARD_BLOCK_Q if block_q is None else check_positive_int(block_q, "block_q")
+    block_k = BACKWARD_BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
     if num_threads is None:
         num_threads = default_num_threads()
     else:
@@ -506,9 +657,8 @@ def scaled_dot_product_attention_backward(
     if implementation == "reference":
         d_q, d_k, d_v = backward_reference(problem, d_out, out, lse)
     else:
-        m = ell = None
         if out is None:  # O(T + S) memory per head, like the backward
-            out, lse, m, ell = attention_tiled(problem, return_stats=True, mark=False)
+            out, lse = attention_tiled(problem, mark=False)
         out = np.broadcast_to(out, (*full, T, Dv))
         lse = np.broadcast_to(lse, (*full, T))
         d_q, d_k, d_v = backward_tiled(
@@ -516,8 +666,6 @@ def scaled_dot_product_attention_backward(
             d_out,
             out,
             lse,
-            m=m,
-            ell=ell,
             block_q=block_q,
             block_k=block_k,
             num_threads=num_threads,

@@ -25,12 +25,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._checks import as_float_array, check_scale, compute_dtype, lse_dtype
+from .tuning import LSE_EXACT_LIMIT  # beyond it, the rounding of a saved lse moves the weights
 
 __all__ = ["blocked_attention", "blocked_attention_backward"]
-
-# Beyond this |lse|, the rounding of a saved lse (half a unit in its last place: 4e-6 at 64,
-# 4e-3 at 8e4 in float32) moves the weights noticeably; the backward pass then measures it.
-LSE_EXACT_LIMIT = 64.0
 
 
 def _check_block(value, name: str) -> int:

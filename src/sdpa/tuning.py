@@ -28,6 +28,9 @@ __all__ = [
     "BLOCK_ROWS_FULL",
     "FOLD_LIMIT",
     "LAZY_MARGIN",
+    "LSE_EXACT_LIMIT",
+    "RENORMALISE_LSE",
+    "RENORMALISE_RMS",
     "VALUE_FLOOR_BITS",
     "svml_exp2",
     "tile_exponential",
@@ -51,12 +54,42 @@ BLOCK_ROWS_FULL = MappingProxyType({_F32: 1024, _F64: 1024})
 #: Keys per tile, by working dtype.
 BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
 
-# -- tile sizes of the backward kernel (sdpa.backward) ---------------------------------------
+# -- the backward kernel (sdpa.backward) ---------------------------------------------------
 
+# A (Bq, Bk) tile of float64 scores is 256 KiB, half the 512 KiB level-2 cache of one core of
+# the machine they were chosen on (AMD EPYC, Zen 3).
 #: Query rows per tile of the tiled backward pass.
 BACKWARD_BLOCK_Q = 128
 #: Keys per tile of the tiled backward pass.
 BACKWARD_BLOCK_K = 256
+
+# The weights are rebuilt as P = exp(scores - lse). The rounding of a stored lse is an error in
+# every exponent, of up to half a unit in its last place: negligible while |lse| is small, but
+# at |lse| = 1e4 in float32 it is 5e-4, and at lse = finfo.min (a row whose every key carries
+# the bias finfo.min) it swallows log(l) entirely. The reference path computes the softmax of
+# the scores anew when a row's |lse| exceeds this limit; the tiled path renormalises its rows
+# from a much lower one (RENORMALISE_LSE below).
+#: Beyond this ``|lse|`` the reference backward computes a row's softmax anew.
+LSE_EXACT_LIMIT = 64.0
+
+# The tiled path rebuilds P from the forward pass's lse and D = rowsum(dO * O) from its output,
+# which it computed from scores rounded in another arithmetic (sdpa.tiled works on tiles of
+# its own, in base 2 where exp2 is the faster, and folds a shift into the product). The two
+# roundings of a score differ by about |score| * eps, so a rebuilt row of P sums to
+# 1 +- |score| eps, and D is not the rowsum(P * dP) of that P: the rounding no longer cancels
+# in dS = P * (dP - D). At scores in the thousands in float32 that made the gradients 10 to
+# 10^4 times less accurate than the reference path's. The query tiles holding a row whose
+# root-mean-square score exceeds RENORMALISE_RMS, or whose |lse| exceeds RENORMALISE_LSE,
+# therefore get their maximum, normaliser and D recomputed from the backward's own scores
+# first (sdpa.backward's _row_statistics): about two thirds as much time again on those tiles, which
+# ordinary inputs (scores of unit size, RMS about 1) do not pay. There the tiled path's errors
+# were 0.4 to 1.2 times the reference path's; below the limits, where the forward pass's lse
+# and D serve, typically 1 to 1.5 times and at worst 2.4 times (random float32 inputs with
+# scores of RMS 0.25 to 1.5, Dk = 16 to 128).
+#: The tiled backward recomputes a row's statistics when its scores' RMS exceeds this...
+RENORMALISE_RMS = 1.5
+#: ... or its ``|lse|`` exceeds this.
+RENORMALISE_LSE = 16.0
 
 # -- the online softmax's margins -----------------------------------------------------------
 
