@@ -876,7 +876,7 @@ def attention_tiled(
         one pass over each tile that no trick removes. ``numpy.exp2`` computes the scores in
         base 2 (the query's scale times ``log2(e)``, so that ``2 ** score`` is the usual
         ``e ** score``), except with a float mask or where a score may overflow, which take
-        ``numpy.exp``. Default: :func:`tile_exponential`, whichever of the two is faster here.
+        ``numpy.exp``. Default: :func:`sdpa.tuning.tile_exponential`, chosen from the machine.
         Any other callable is applied to scores in base ``e``; the benchmark substitutes a
         cheaper function to measure the exponential's share of the time (the result is then
         wrong, of course).
