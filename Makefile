@@ -19,12 +19,12 @@ REFRESH     ?=
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # MathJax (pinned in package.json / package-lock.json) is installed with `npm ci` and copied
-# into the site by conf.py, so the book's maths renders with no network.
+# into the site by book/_ext/sdpa_mathjax.py, so the book's maths renders with no network.
 NODE_STAMP := node_modules/.package-lock.json
 # One doctree folder for the html and doctest builders; it also holds the execution cache
 # (doctrees/jupyter-cache/<fingerprint of src/sdpa>), so a package change re-executes the book.
 SPHINX := $(VPY) -m sphinx -c . book -d $(BUILDDIR)/doctrees
-# The sdpa wheel and source archive the site offers (book/_ext/sdpa_notebooks.py copies them into
+# The sdpa wheel and source archive the site offers (book/_ext/sdpa_downloads.py copies them into
 # _build/html/downloads/ with the notebooks). Rebuilt only when the package's files change.
 DIST       := $(BUILDDIR)/dist
 DIST_STAMP := $(DIST)/.built

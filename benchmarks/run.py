@@ -510,9 +510,11 @@ def fmt(x, spec):
 def auto_cases(quick: bool) -> list[dict]:
     """The grid on which ``implementation="auto"`` must pick (nearly) the faster path.
 
-    ``lead`` is the batch shape of q, k and v, ``n`` the sequence length (T = S), ``d`` the
-    head width. Many small heads: the tiled path's per-tile work in Python dominates; few large
-    ones: the reference path's (T, S) matrices do; batched heads sit in between.
+    ``lead`` is the batch shape of q, k and v, ``n`` the number of keys S, ``t`` the number of
+    queries T (``n`` unless given), ``d`` the head width. Many small heads: the tiled path's
+    per-tile work in Python dominates; few large ones: the reference path's (T, S) matrices do;
+    batched heads sit in between. Decoding: one query (or a few, as speculative decoding and
+    chunked prefill have) against a long cache, at batch 1, with 8 to 64 heads.
     """
     grid = [
         ("many small heads", (20000,), 4, 8, False),  # once 32 times slower on the tiled path
@@ -531,9 +533,32 @@ def auto_cases(quick: bool) -> list[dict]:
     ]
     if quick:
         grid = [g for g in grid if math.prod(g[1]) * g[2] ** 2 <= 2**22]
-    return [
-        dict(kind=k, lead=lead, n=n, d=d, causal=c, dtype="float32") for k, lead, n, d, c in grid
+    cases = [
+        dict(kind=k, lead=lead, t=n, n=n, d=d, causal=c, dtype="float32")
+        for k, lead, n, d, c in grid
     ]
+    decoding = [
+        (1, 8, 1, 512),
+        (1, 8, 1, 4096),
+        (1, 8, 1, 16384),
+        (1, 64, 1, 512),
+        (1, 64, 1, 4096),
+        (1, 64, 1, 16384),
+        (1, 8, 4, 4096),
+        (1, 64, 4, 4096),
+        (1, 8, 16, 512),
+        (1, 8, 16, 16384),
+        (1, 64, 16, 512),
+        (1, 64, 16, 4096),
+        (1, 64, 16, 16384),
+    ]
+    if quick:
+        decoding = [c for c in decoding if c[1] * c[3] <= 2**16]
+    cases += [
+        dict(kind="decoding", lead=(b, h), t=t, n=s, d=64, causal=False, dtype="float32")
+        for b, h, t, s in decoding
+    ]
+    return cases
 
 
 def run_auto_case(case, idle, rounds=7) -> dict:
@@ -545,9 +570,11 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     from sdpa.cost_model import worth_tiling
     from sdpa.problem import prepare_attention
 
-    rng = np.random.default_rng(case["n"] * case["d"])
-    shape = (*case["lead"], case["n"], case["d"])
-    q, k, v = (rng.standard_normal(shape).astype(case["dtype"]) for _ in range(3))
+    rng = np.random.default_rng(case["n"] * case["d"] + case["t"])
+    q, k, v = (
+        rng.standard_normal((*case["lead"], n, case["d"])).astype(case["dtype"])
+        for n in (case["t"], case["n"], case["n"])
+    )
     impls = {
         name: (
             lambda name=name: scaled_dot_product_attention(
@@ -714,17 +741,17 @@ def auto_lines(auto) -> list[str]:
         "",
         '## `implementation="auto"` against the faster path',
         "",
-        "float32, T = S = n, q, k and v of shape (*lead, n, d); best of 7 interleaved "
-        'rounds. "chosen/faster" compares the path auto takes with the faster one in the '
-        'same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
+        "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d); best of 7 "
+        'interleaved rounds. "chosen/faster" compares the path auto takes with the faster one '
+        'in the same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
         "",
-        "| case | lead | n | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | lead | T | S | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in auto:
         t = r["time"]
         lines.append(
-            f"| {r['kind']} | {tuple(r['lead'])} | {r['n']} | {r['d']} | "
+            f"| {r['kind']} | {tuple(r['lead'])} | {r.get('t', r['n'])} | {r['n']} | {r['d']} | "
             f"{'yes' if r['causal'] else 'no'} | {fmt_time(t['reference'])} | "
             f"{fmt_time(t['tiled'])} | {fmt_time(t['auto'])} | {r['auto takes']} | "
             f"{r['chosen/faster']:.2f} | {r['auto/faster']:.2f} |"
@@ -905,7 +932,7 @@ def main(argv=None) -> int:
             report["auto"].append(r)
             t = r["time"]
             print(
-                f"auto grid {case['kind']:16} {str(case['lead']):10} n={case['n']:5} "
+                f"auto grid {case['kind']:16} {str(case['lead']):10} T={case['t']:5} S={case['n']:5} "
                 f"d={case['d']:3} causal={case['causal']!s:5}: reference "
                 f"{fmt_time(t['reference'])}, tiled {fmt_time(t['tiled'])}, auto "
                 f"{fmt_time(t['auto'])} ({r['auto takes']}), auto/faster {r['auto/faster']:.2f}",

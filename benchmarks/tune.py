@@ -77,7 +77,8 @@ def threshold(rounds=7, idle=0.05):
 
 
 def auto_grid():
-    """(lead, n, d, causal) cases spanning many small heads to few large ones."""
+    """(lead, T, S, d, causal) cases spanning many small heads to few large ones (T = S), and
+    decoding: one query or a few against a long cache, at batch 1 with 8 to 64 heads."""
     cases = []
     for lead in [(1,), (4,), (16,), (64,), (256,), (1024,), (4096,), (20000,)]:
         for n in (4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
@@ -85,9 +86,14 @@ def auto_grid():
             if not (2**15 <= scores <= 2**24):
                 continue
             for d in (8, 64) if n >= 16 else (8,):
-                cases.append((lead, n, d, False))
+                cases.append((lead, n, n, d, False))
             if n >= 256:
-                cases.append((lead, n, 64, True))
+                cases.append((lead, n, n, 64, True))
+    for heads in (8, 32, 64):
+        for T in (1, 4, 16, 64):
+            for S in (512, 2048, 8192, 16384):
+                if heads * T * S <= 2**24:
+                    cases.append(((1, heads), T, S, 64, False))
     return cases
 
 
@@ -126,107 +132,98 @@ def _wall_time(f, rounds, idle=0.01):
     return best
 
 
-def auto(rounds=5, dtype=np.float32):
-    """Fit the cost model of ``implementation="auto"`` from single-thread CPU times.
+def _features(problem):
+    """The terms of ``sdpa.cost_model.estimated_times``, per path, for one problem."""
+    from sdpa.cost_model import tiling_geometry
 
-    CPU time of one thread barely moves when other processes share the machine, where wall
-    time can change tenfold; so both paths run on one thread (BLAS held to one thread, the
-    tiled path with ``num_threads=1``), their CPU costs are fitted term by term, and the wall time
-    on ``W`` idle cores is modelled from them: the tiled path divides its work among the
-    workers; the reference path's products (the term proportional to the head width) run on
-    BLAS's threads, its softmax passes on one. The fixed cost of a call (validation, and for
-    the tiled path the creation of its threads) is the best wall time of a tiny problem.
+    T, S = problem.T, problem.S
+    matrices = int(np.prod(problem.batch_shape))
+    width = problem.Dk + problem.Dv
+    masked = problem.allowed is not None or problem.band != (None, None)
+    units, tiles, scores, threads = tiling_geometry(problem)
+    reference = [
+        1.0,
+        matrices,
+        matrices * (T + S) * width,
+        matrices * T * S,
+        matrices * T * S * width,
+        matrices * T * S * masked,
+    ]
+    tiled = [1.0, units, max(0, tiles - units), scores / threads, scores * width / threads]
+    return reference, tiled
+
+
+def auto(rounds=5, dtype=np.float32, idle=0.15):
+    """Fit the cost model of ``implementation="auto"`` to wall times measured as `make bench`
+    measures them.
+
+    Both paths run as a user calls them (all cores, BLAS's own threads for the reference path,
+    the tiled path's workers), taking turns round after round with ``idle`` seconds before
+    each call (the benchmark's pause), and each keeps its best round. The model is linear in
+    its constants: for the reference path a cost per call, per ``(T, S)`` matrix, per input
+    entry read, per score, per score and unit of width, per masked score; for the tiled path a
+    cost per call, per work unit and per further tile (Python between NumPy's calls, which
+    holds the GIL: not shared by the workers) and per computed score and per score and unit of
+    width (inside NumPy, shared by the workers). Least squares on relative errors, constants
+    kept non-negative. Wall time moves with the machine and its load: run it on an idle
+    machine, and state which.
     """
     from sdpa.attention import attention_reference
-    from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times, tiling_geometry
-    from sdpa.threads import default_num_threads
+    from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times
     from sdpa.tiled import attention_tiled
 
-    workers = default_num_threads()
     rows = []
-    with threadpool_limits(1, user_api="blas"):
-        for lead, n, d, is_causal in auto_grid():
-            q, k, v = (rng.standard_normal((*lead, n, d)).astype(dtype) for _ in range(3))
-            problem = prepare_attention(q, k, v, None, is_causal)
-            ref = 1e6 * _cpu_time(lambda p=problem: attention_reference(p), rounds)
-            til = 1e6 * _cpu_time(lambda p=problem: attention_tiled(p, num_threads=1), rounds)
-            units, tiles_, scores, _ = tiling_geometry(problem)
-            matrices = int(np.prod(problem.batch_shape))
-            rows.append(
-                dict(
-                    lead=lead,
-                    n=n,
-                    d=d,
-                    causal=is_causal,
-                    ref=ref,
-                    tiled=til,
-                    matrices=matrices,
-                    units=units,
-                    tiles=tiles_,
-                    scores=scores,
-                    width=2 * d,
-                    problem=problem,
-                )
+    for lead, T, n, d, is_causal in auto_grid():
+        q, k, v = (rng.standard_normal((*lead, t, d)).astype(dtype) for t in (T, n, n))
+        problem = prepare_attention(q, k, v, None, is_causal)
+        paths = {
+            "reference": lambda p=problem: attention_reference(p),
+            "tiled": lambda p=problem: attention_tiled(p),
+        }
+        best = {name: np.inf for name in paths}
+        for f in paths.values():
+            f()
+        for r in range(rounds):
+            for name in list(paths) if r % 2 == 0 else list(paths)[::-1]:
+                time.sleep(idle)
+                start = time.perf_counter()
+                paths[name]()
+                best[name] = min(best[name], time.perf_counter() - start)
+        ref_x, til_x = _features(problem)
+        rows.append(
+            dict(
+                lead=lead,
+                T=T,
+                n=n,
+                d=d,
+                causal=is_causal,
+                problem=problem,
+                ref_x=ref_x,
+                til_x=til_x,
+                ref=1e6 * best["reference"],
+                tiled=1e6 * best["tiled"],
             )
-            print(
-                f"{str(lead):9} n={n:5} d={d:3} causal={is_causal!s:5}: CPU reference "
-                f"{ref / 1e3:9.2f} ms, tiled {til / 1e3:9.2f} ms",
-                flush=True,
-            )
-    tiny = np.zeros((1, 8, 8), dtype)
-    call_ref = 1e6 * _wall_time(
-        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="reference"), 50
-    )
-    call_til = 1e6 * _wall_time(
-        lambda: sdpa.scaled_dot_product_attention(tiny, tiny, tiny, implementation="tiled"), 50
-    )
-
-    # CPU of the reference path, per matrix: matrix + io * (T + S) * width; per score:
-    # score + score_width * width + masked * (a mask or band)
-    A = np.array(
-        [
-            [
-                r["matrices"],
-                r["matrices"] * 2 * r["n"] * r["width"],
-                r["matrices"] * r["n"] ** 2,
-                r["matrices"] * r["n"] ** 2 * r["width"],
-                r["matrices"] * r["n"] ** 2 * r["causal"],
-            ]
-            for r in rows
-        ],
-        dtype=float,
-    )
-    b = np.array([r["ref"] for r in rows])
-    x_ref = _nnls(A / b[:, None], np.ones(len(rows)))
-    spread_ref = A @ x_ref / b
-    matrix, io, score, width, masked = x_ref
-    fitted_ref = dict(
-        call=call_ref, matrix=matrix, io=io, score=score, score_width=width / workers, masked=masked
-    )  # BLAS spreads the products
-    # CPU of the tiled path = unit * units + tile * (tiles - units)
-    #                         + computed * (score + score_width * width)
-    A = np.array(
-        [
-            [r["units"], r["tiles"] - r["units"], r["scores"], r["scores"] * r["width"]]
-            for r in rows
-        ],
-        dtype=float,
-    )
-    b = np.array([r["tiled"] for r in rows])
-    x_til = _nnls(A / b[:, None], np.ones(len(rows)))
-    spread_til = A @ x_til / b
-    unit, tile, score, width = x_til
-    fitted_til = dict(call=call_til, unit=unit, tile=tile, score=score, score_width=width)
-    print("REFERENCE_COST =", {k: float(f"{v:.3g}") for k, v in fitted_ref.items()})
-    print("TILED_COST =", {k: float(f"{v:.3g}") for k, v in fitted_til.items()})
-    for name, spread in (("reference", spread_ref), ("tiled", spread_til)):
-        low, mid, high = np.percentile(spread, [10, 50, 90])
+        )
         print(
-            f"{name}: model / measured CPU time: median {mid:.2f}, 10 % to 90 %: "
-            f"{low:.2f} to {high:.2f}"
+            f"{str(lead):9} T={T:5} S={n:5} d={d:3} causal={is_causal!s:5}: wall reference "
+            f"{best['reference'] * 1e3:9.2f} ms, tiled {best['tiled'] * 1e3:9.2f} ms",
+            flush=True,
         )
 
-    # which path each model picks, by the modelled wall times
+    def fit(key, names):
+        A = np.array([r[key + "_x"] for r in rows], dtype=float)
+        b = np.array([r[key] for r in rows])
+        x = _nnls(A / b[:, None], np.ones(len(rows)))
+        spread = A @ x / b
+        low, mid, high = np.percentile(spread, [10, 50, 90])
+        print(f"{key}: model / measured: median {mid:.2f}, 10 % to 90 %: {low:.2f} to {high:.2f}")
+        return dict(zip(names, (float(f"{c:.3g}") for c in x)))
+
+    fitted_ref = fit("ref", ["call", "matrix", "io", "score", "score_width", "masked"])
+    fitted_til = fit("tiled", ["call", "unit", "tile", "score", "score_width"])
+    print("REFERENCE_COST =", fitted_ref)
+    print("TILED_COST =", fitted_til)
+
     def picks(model_ref, model_til):
         times = (
             estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
@@ -234,13 +231,24 @@ def auto(rounds=5, dtype=np.float32):
         )
         return ["tiled" if t < r else "reference" for r, t in times]
 
-    new_picks = picks(fitted_ref, fitted_til)
-    old_picks = picks(REFERENCE_COST, TILED_COST)
-    for row, new, old in zip(rows, new_picks, old_picks):
-        print(
-            f"  {str(row['lead']):9} n={row['n']:5} d={row['d']:3} causal={row['causal']!s:5}: "
-            f"fitted model takes {new:9}, current model {old}"
-        )
+    worst = {}
+    for label, model in (
+        ("fitted", (fitted_ref, fitted_til)),
+        ("current", (REFERENCE_COST, TILED_COST)),
+    ):
+        chosen = picks(*model)
+        ratios = [
+            row[{"reference": "ref", "tiled": "tiled"}[c]] / min(row["ref"], row["tiled"])
+            for row, c in zip(rows, chosen)
+        ]
+        worst[label] = max(ratios)
+        for row, c, ratio in zip(rows, chosen, ratios):
+            if ratio > 1.1:
+                print(
+                    f"  {label} model: {row['lead']} T={row['T']} S={row['n']} "
+                    f"d={row['d']} causal={row['causal']}: takes {c}, {ratio:.2f} x the faster"
+                )
+    print("worst chosen/faster:", {k: round(v, 2) for k, v in worst.items()})
 
 
 if __name__ == "__main__":

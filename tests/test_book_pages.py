@@ -544,7 +544,7 @@ def test_landing_page_leads_the_reader_in(site_pages):
 
 
 def test_api_summary_signatures_wrap_between_arguments(site_pages):
-    """conf.py replaces autosummary's no-break spaces, so a narrow column breaks a signature
+    """book/_ext/sdpa_api.py replaces autosummary's no-break spaces, so a narrow column breaks a signature
     after a comma, never inside a name."""
     from bs4 import BeautifulSoup
 

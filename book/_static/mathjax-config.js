@@ -1,5 +1,5 @@
 // MathJax 4 configuration of the sdpa book, loaded on every page before the deferred MathJax.
-// MathJax and its font are copied from the npm packages into _static/mathjax by conf.py, so
+// MathJax and its font are copied from the npm packages into _static/mathjax by book/_ext/sdpa_mathjax.py, so
 // every formula renders with no network, over http and from file://.
 (function () {
   // Keep what Sphinx extensions configured before us (myst-nb tells MathJax which classes hold maths).

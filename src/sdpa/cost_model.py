@@ -9,6 +9,8 @@ units of :func:`tiling_geometry`, each with its fixed cost), with the constants
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 
 from ._checks import available_memory
@@ -30,33 +32,45 @@ __all__ = [
 #: Below this many scores (summed over heads) ``"auto"`` never tiles.
 MIN_TILED_SCORES = 1 << 17
 
-# The cost model behind implementation="auto": wall time in microseconds on idle cores.
-# Counting scores alone (the earlier rule) sent 20000 heads of 4 x 4 scores to the tiled
-# path, 32 times slower than the reference path: every work unit and every tile costs a fixed
-# amount of Python and NumPy call overhead that small heads cannot amortise. The constants come
-# from `benchmarks/tune.py auto` on the 2-core benchmark machine: single-thread CPU times of
-# both paths over 70 shapes, fitted term by term (CPU time, unlike wall time, stays put while
-# other processes share the machine), then spread over the cores each part runs on: the tiled
-# path's work over its workers, the reference path's products (the term in the head width)
-# over BLAS's threads; its softmax passes run on one core.
+# The cost model behind implementation="auto": wall time in microseconds, as `make bench`
+# measures it (a pause before each call, the best of several rounds). Counting scores alone
+# (the earlier rule) sent 20000 heads of 4 x 4 scores to the tiled path, 32 times slower than
+# the reference path: every work unit and every tile costs a fixed amount of Python and NumPy
+# call overhead that small heads cannot amortise. And decoding (one query against a long
+# cache) went to the tiled path at 1.7 to 2.1 times the reference path's time: that overhead
+# holds the GIL, so the worker threads do not share it; only the work inside NumPy's loops and
+# products (per score) runs in parallel. A model fitted to single-thread CPU times, spread over
+# the cores, put the tiled path's fixed costs at a quarter of what a call after a pause pays
+# (its threads start on cold cores). So the constants are fitted to wall times, by
+# `benchmarks/tune.py auto`: both paths as a user calls them, interleaved, over 128 shapes
+# (many small heads, few large ones, batched heads, decoding with T from 1 to 64 and S to
+# 16384), least squares on relative errors. Measured on an Intel Xeon (Sapphire Rapids, 2
+# cores, AVX-512, OpenBLAS): the model is within 0.71 to 1.22 of the measured time for 80 % of
+# the shapes, and the path it picks was at most 1.14 times the faster one's time. Another
+# machine moves the crossing; `make bench` checks it there.
 #: The reference path's costs, in microseconds: per call, per ``(T, S)`` matrix, per input
 #: entry, per score, per score and unit of ``Dk + Dv``, per masked score.
-REFERENCE_COST = dict(
-    call=60.0,  # validation and dispatch (estimated: tiny calls' wall time is noise when shared)
-    matrix=0.5,  # per (T, S) matrix: the batched products' loop
-    io=0.001,  # per entry of the inputs read per matrix, (T + S) (Dk + Dv): small products
-    score=0.0064,  # per score: the softmax's passes, one core
-    score_width=0.000015,  # per score and unit of Dk + Dv: the two products, on BLAS's threads
-    masked=0.003,  # per score, with a mask or a band: one more pass
+REFERENCE_COST = MappingProxyType(
+    dict(
+        call=674.0,  # validation, dispatch, BLAS's threads waking
+        matrix=0.401,  # per (T, S) matrix: the batched products' loop
+        io=0.000235,  # per entry of the inputs read per matrix, (T + S) (Dk + Dv)
+        score=0.00488,  # per score: the softmax's passes
+        score_width=0.00000937,  # per score and unit of Dk + Dv: the two products
+        masked=0.00145,  # per score, with a mask or a band: one more pass
+    )
 )
 #: The tiled path's costs, in microseconds: per call, per work unit, per further tile, per
-#: computed score, per computed score and unit of ``Dk + Dv``.
-TILED_COST = dict(
-    call=250.0,  # validation, the plan, starting the worker threads (estimated, as above)
-    unit=95.0,  # per work unit: its first tile and its bookkeeping
-    tile=20.0,  # per further tile (the fit cannot separate it from the unit; a floor)
-    score=0.0037,  # per computed score: exp and the row sums
-    score_width=0.000045,  # per computed score and unit of Dk + Dv: the two products
+#: computed score, per computed score and unit of ``Dk + Dv`` (the last two shared by the
+#: worker threads).
+TILED_COST = MappingProxyType(
+    dict(
+        call=2060.0,  # validation, the plan, starting the worker threads on cold cores
+        unit=66.8,  # per work unit: its first tile and its bookkeeping (holds the GIL)
+        tile=44.6,  # per further tile: the NumPy calls' dispatch (holds the GIL)
+        score=0.00114,  # per computed score: exp and the row sums
+        score_width=0.0000186,  # per computed score and unit of Dk + Dv: the products
+    )
 )
 
 
@@ -161,12 +175,11 @@ def estimated_times(
     )
     units, tiles, scores, num_threads = tiling_geometry(problem)
     c = TILED_COST if tiled_cost is None else tiled_cost
-    work = (
-        c["unit"] * units
-        + c["tile"] * max(0, tiles - units)
-        + scores * (c["score"] + c["score_width"] * width)
-    )
-    return reference, c["call"] + work / num_threads
+    # Python between NumPy's calls holds the GIL: the workers take turns at it (per unit, per
+    # tile), while the work inside NumPy's loops and products (per score) runs in parallel.
+    overhead = c["unit"] * units + c["tile"] * max(0, tiles - units)
+    work = scores * (c["score"] + c["score_width"] * width)
+    return reference, c["call"] + overhead + work / num_threads
 
 
 def worth_tiling(problem: AttentionProblem) -> bool:

@@ -440,18 +440,15 @@ def _value_exponents(value: np.ndarray, S: int) -> np.ndarray | None:
     return np.where(scale, np.frexp(top)[1], 0).astype(np.int32)
 
 
-def _values_may_be_out_of_range(out: np.ndarray) -> bool:
-    """Whether a result computed on unscaled values may have lost to the ends of the range.
+def _values_may_be_out_of_range(top: np.ndarray) -> bool:
+    """Whether a result computed on unscaled values may have lost to the ends of the range,
+    from ``top``, the largest ``|out|`` of each column ``(Dv,)`` (NaN if any was NaN).
 
     Overflow shows in the result as ``inf`` or NaN; digits lost to subnormal numbers show as
-    a column whose results are all below ``2 ** 64`` times the smallest normal number. A pass
-    over the result, which is far smaller than the values unless ``T`` is close to ``S``:
-    only then are the values themselves read (:func:`_value_exponents`).
+    a column whose results are all below ``2 ** VALUE_FLOOR_BITS`` times the smallest normal
+    number. Only then are the values themselves read (:func:`_value_exponents`).
     """
-    if out.size == 0:
-        return False
-    low = float(np.finfo(out.dtype).smallest_normal) * 2.0**VALUE_FLOOR_BITS
-    top = np.max(np.abs(out).reshape(-1, out.shape[-1]), axis=0)  # NaN propagates
+    low = float(np.finfo(top.dtype).smallest_normal) * 2.0**VALUE_FLOOR_BITS
     return not (top >= low).all() or not np.isfinite(top).all()
 
 
@@ -474,6 +471,7 @@ class _Buffers:
         self.m = np.empty(rows, dtype)  # running shift of each row
         self.unfolded = np.empty(rows, dtype)  # m of the rows whose shift is not folded in
         self.ones = np.ones(bk, dtype)
+        self.top = np.zeros(plan.Dv, dtype)  # the largest |out| of each column, over the units
         # [k | 1] of a unit's head, (S, Dk + 1): made (by copying the keys) only for a unit
         # that folds a shift into the first product, which inputs of moderate scores never do
         self.k1: np.ndarray | None = None
@@ -672,6 +670,9 @@ class _Unit:
         np.multiply(self.acc.reshape(G, bq, Dv), inv.reshape(G, bq, 1), out=out)
         if plan.v_exp is not None:
             np.ldexp(out, plan.v_exp, out=out)  # undo the values' scaling (exact)
+        elif Dv:  # while the block is in cache: did the values come near the ends of the range?
+            top = self.buffers.top  # (Dv,); np.maximum keeps a NaN once it has met one
+            np.maximum(top, np.max(np.abs(out).reshape(-1, Dv), axis=0), out=top)
         m = self.m if plan.to_base == 1.0 else self.m / plan.to_base  # in natural units
         lse = np.full(rows, -np.inf, dtype=plan.dtype)
         np.log(l, out=lse, where=seen)
@@ -807,8 +808,11 @@ class _Worker:
         return np.tile(meets, plan.G)
 
 
-def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> None:
-    """Share the plan's work units out among worker threads; add their counts to ``stats``."""
+def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.ndarray:
+    """Share the plan's work units out among worker threads; add their counts to ``stats``.
+
+    Returns the largest ``|out|`` of each column ``(Dv,)``, NaN where any result was NaN.
+    """
     T, S = plan.T, plan.S
     outer = plan.out.shape[:-3]
     n_q = -(-T // plan.block_q)
@@ -835,6 +839,7 @@ def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> None:
             stats.add(w.stats)
         stats.units += len(work)
         stats.skipped_band += total - sum(u[0] for u in units)
+    return functools.reduce(np.maximum, [w.buffers.top for w in workers])
 
 
 def attention_tiled(
@@ -932,8 +937,8 @@ def attention_tiled(
         return (out, lse, m, l) if return_stats else (out, lse)
     sizes = (problem, block_q, block_k, num_threads)
     plan = _make_plan(*sizes, with_stats=return_stats, exp=exp)
-    _run(plan, num_threads, stats)
-    if _values_may_be_out_of_range(plan.out):
+    top = _run(plan, num_threads, stats)
+    if _values_may_be_out_of_range(top):
         v_exp = _value_exponents(problem.value, S)
         if v_exp is not None:  # computed again, on values scaled into range
             plan = _make_plan(*sizes, with_stats=return_stats, exp=exp, v_exp=v_exp)
