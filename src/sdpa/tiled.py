@@ -608,9 +608,10 @@ class _Unit:
         started |= meets
         self.all_started = bool(started.all())
 
-    def sums_hold(self, rows) -> bool:
-        """Whether every one of ``rows`` has ``l >= LAZY_FLOOR`` (NaN fails too)."""
-        l = self.l[rows]
+    def sums_hold(self, rows: slice = slice(None)) -> bool:
+        """Whether every row has ``l >= LAZY_FLOOR`` (NaN fails too); with ``rows``, only the
+        block's rows ``rows`` of each folded head."""
+        l = self.l.reshape(self.plan.G, -1)[:, rows]
         return l.size == 0 or bool(l.min() >= LAZY_FLOOR)
 
     # -- the pieces of a step --------------------------------------------------------------
@@ -672,7 +673,8 @@ class _Unit:
             np.ldexp(out, plan.v_exp, out=out)  # undo the values' scaling (exact)
         elif Dv:  # while the block is in cache: did the values come near the ends of the range?
             top = self.buffers.top  # (Dv,); np.maximum keeps a NaN once it has met one
-            np.maximum(top, np.max(np.abs(out).reshape(-1, Dv), axis=0), out=top)
+            np.maximum(top, np.max(out, axis=(0, 1)), out=top)  # no temporary array
+            np.maximum(top, -np.min(out, axis=(0, 1)), out=top)
         m = self.m if plan.to_base == 1.0 else self.m / plan.to_base  # in natural units
         lse = np.full(rows, -np.inf, dtype=plan.dtype)
         np.log(l, out=lse, where=seen)
@@ -760,7 +762,7 @@ class _Worker:
                 unit.exact_step(s0, s1, disallowed)
             if at_zero and b == first and not unit.sums_hold(self.rows_meeting(t0, t1, s0, s1)):
                 return False
-        return not at_zero or unit.sums_hold(slice(None))
+        return not at_zero or unit.sums_hold()
 
     # -- masks -----------------------------------------------------------------------------
 
@@ -796,16 +798,16 @@ class _Worker:
             self.band_cache[key] = tile
         return tile
 
-    def rows_meeting(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
-        """``(rows,)`` bool: the unit's rows that the band allows some key of ``s0:s1``."""
+    def rows_meeting(self, t0: int, t1: int, s0: int, s1: int) -> slice:
+        """The block's rows (``0`` to ``t1 - t0``) that the band allows some key of ``s0:s1``:
+        one run of rows, since the band's rows shift by one key per query."""
         plan = self.plan
-        i = np.arange(t0, t1) + plan.offset
-        meets = np.ones(t1 - t0, dtype=bool)
-        if plan.lo is not None:
-            meets &= i + plan.lo <= s1 - 1
-        if plan.hi is not None:
-            meets &= i + plan.hi >= s0
-        return np.tile(meets, plan.G)
+        first, stop = 0, t1 - t0
+        if plan.hi is not None:  # row i reaches key i + offset + hi >= s0
+            first = max(first, s0 - plan.offset - plan.hi - t0)
+        if plan.lo is not None:  # row i starts at key i + offset + lo <= s1 - 1
+            stop = min(stop, s1 - 1 - plan.offset - plan.lo - t0 + 1)
+        return slice(first, max(first, stop))
 
 
 def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.ndarray:
