@@ -566,6 +566,9 @@ def run_auto_case(case, idle, rounds=7) -> dict:
 
     Times are the best of the rounds, the estimate least disturbed by other processes on a
     shared machine (the question is which path is faster, not how fast either is on average).
+    At least ``rounds``; a case whose faster path takes under 50 ms gets up to three times as
+    many (a millisecond call's best of 7 still moved by 10 % between runs, auto against the
+    same path it takes).
     """
     from sdpa.cost_model import worth_tiling
     from sdpa.problem import prepare_attention
@@ -584,8 +587,13 @@ def run_auto_case(case, idle, rounds=7) -> dict:
         for name in ("auto", "reference", "tiled")
     }
     times = {name: [] for name in impls}
-    for f in impls.values():
-        f()  # warm-up
+    warm = {}
+    for name, f in impls.items():  # warm-up, and the time per call
+        start = time.perf_counter()
+        f()
+        warm[name] = time.perf_counter() - start
+    fastest_call = min(warm["reference"], warm["tiled"])
+    rounds = max(rounds, min(3 * rounds, math.ceil(0.05 / max(fastest_call, 1e-6)) * rounds))
     for i in range(rounds):
         for name, f in in_turn(impls, i):
             time.sleep(idle)
@@ -741,8 +749,8 @@ def auto_lines(auto) -> list[str]:
         "",
         '## `implementation="auto"` against the faster path',
         "",
-        "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d); best of 7 "
-        'interleaved rounds. "chosen/faster" compares the path auto takes with the faster one '
+        "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d); best of 7 to 21 "
+        'interleaved rounds (more for quick cases). "chosen/faster" compares the path auto takes with the faster one '
         'in the same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
         "",
         "| case | lead | T | S | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
