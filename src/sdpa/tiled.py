@@ -503,14 +503,8 @@ class _Unit:
     def __init__(self, plan: _Plan, buffers: _Buffers, o: tuple, t0: int, t1: int, at_zero):
         G, Dk, Dv, bq = plan.G, plan.Dk, plan.Dv, t1 - t0
         rows = G * bq
-        self.plan, self.buffers, self.o, self.t0, self.t1, self.rows = (
-            plan,
-            buffers,
-            o,
-            t0,
-            t1,
-            rows,
-        )
+        self.plan, self.buffers = plan, buffers
+        self.o, self.t0, self.t1, self.rows = o, t0, t1, rows  # the block: (G * bq) rows
         # The inputs: views of the unit's head.
         self.k, self.v = plan.k[o], plan.v[o]  # (S, Dk), (S, Dv)
         self.k1 = None  # (S, Dk + 1), [k | 1], made once a shift is folded in
@@ -523,8 +517,6 @@ class _Unit:
         np.multiply(
             plan.q[o][:, t0:t1, :], plan.scale, out=self.q_shifted.reshape(G, bq, Dk + 1)[..., :Dk]
         )
-        self.q_scaled = self.q_shifted[:, :Dk]  # (rows, Dk)
-        self.folded = self.q_shifted[:, Dk]  # -m for the rows whose shift is folded in, else 0
         self.folded.fill(0)
         self.any_folded = False  # while no shift is folded in, the keys need no column of ones
         # The running state: the shift m of each row (0 until it meets an allowed key), the
@@ -536,8 +528,28 @@ class _Unit:
         self.all_started = at_zero
         self.acc = _zeros(buffers.acc, rows * Dv).reshape(rows, Dv)
         self.l = _zeros(buffers.l, rows)
-        self.tile_out = buffers.tile_out[: rows * Dv].reshape(rows, Dv)
-        self.tile_l = buffers.tile_l[:rows]
+
+    # Views of the buffers at the unit's size (properties, so the unit's state stays short).
+
+    @property
+    def q_scaled(self) -> np.ndarray:
+        """``(rows, Dk)``: the query rows times the scale (in the scores' base)."""
+        return self.q_shifted[:, :-1]
+
+    @property
+    def folded(self) -> np.ndarray:
+        """``(rows,)``: ``-m`` for the rows whose shift is folded in, else 0."""
+        return self.q_shifted[:, -1]
+
+    @property
+    def tile_out(self) -> np.ndarray:
+        """``(rows, Dv)``: one tile's ``exp(scores - m) @ v``."""
+        return self.buffers.tile_out[: self.rows * self.plan.Dv].reshape(self.rows, -1)
+
+    @property
+    def tile_l(self) -> np.ndarray:
+        """``(rows,)``: one tile's row sums ``exp(scores - m) @ 1``."""
+        return self.buffers.tile_l[: self.rows]
 
     # -- the two steps ---------------------------------------------------------------------
 
