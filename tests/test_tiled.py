@@ -407,6 +407,21 @@ def test_auto_keeps_many_small_heads_on_the_reference_path(rng, spy):
     np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("heads, S", [(8, 16384), (64, 4096), (64, 16384)])
+def test_auto_decodes_on_the_reference_path(rng, spy, heads, S):
+    # One new token against a long cache: the tiled path pays its per-tile Python overhead on
+    # tiles of one row, and was 1.7 to 2.1 times slower than the reference path (B=1, H=64,
+    # S=4096: 37.5 ms against 21.5 ms). Through KVCache.attend too.
+    q = normal(rng, (1, heads, 1, 64), np.float32)
+    k = normal(rng, (1, heads, S, 64), np.float32)
+    out = scaled_dot_product_attention(q, k, k, is_causal=True, causal_alignment="bottom_right")
+    assert spy == []
+    cache = sdpa.KVCache(1, heads, 64, dtype=np.float32, capacity=S)
+    cache.append(0, k, k)
+    np.testing.assert_array_equal(cache.attend(0, q), out)
+    assert spy == []
+
+
 @pytest.mark.parametrize(
     "shape, mask_shape, kw",
     [
