@@ -146,3 +146,12 @@ def test_flash_loop_rejects_too_many_blocks_to_draw():
 def test_flash_loop_rejects_a_tile_size_that_is_not_an_integer():
     with pytest.raises(TypeError, match="Bk must be a positive integer; got None"):
         dg.flash_loop_diagram(6, 8, 2, None, 3, 2)
+
+
+def test_flash_loop_numbers_every_full_tile_at_the_books_sizes():
+    # The memory-efficient page's sizes: 5 query blocks (the last of 44 rows) x 6 key blocks
+    # (the last of 20 keys); every full 64 x 96 tile carries its number in loop order, the
+    # digits' height (not a line's) deciding what fits.
+    fig = build("flash_loop_diagram", 300, 500, 64, 96, 64, 32)
+    numbers = sorted(int(t) for t in dg.figure_texts(fig) if t.isdigit())
+    assert numbers == [i * 6 + j + 1 for i in range(4) for j in range(5)]

@@ -21,7 +21,7 @@ def test_multihead_labels_every_shape_it_was_given():
     texts = dg.figure_texts(fig)
     assert "$W_Q$\n$(E, HD_k)$\n(11, 6)" in texts and "$W_V$\n$(E, HD_v)$\n(11, 21)" in texts
     assert "$W_O$\n$(HD_v, E)$\n(21, 11)" in texts
-    assert [t for t in texts if t.startswith("head ")] == ["head 1", "head 2", "head 3"]
+    assert [t for t in texts if t.startswith("head ")] == ["head 0", "head 1", "head 2"]
 
 
 def test_multihead_grids_keep_the_proportions_and_split_into_heads():
@@ -46,7 +46,8 @@ def test_multihead_grids_keep_the_proportions_and_split_into_heads():
 def test_multihead_draws_the_first_two_and_the_last_of_many_heads():
     fig = build("multihead_diagram", 4, 32, 8, 4, 4)
     texts = dg.figure_texts(fig)
-    assert [t for t in texts if t.startswith("head ")] == ["head 1", "head 2", "head 8"]
+    # numbered from 0, as in the code: heads 0, 1 and H - 1 = 7
+    assert [t for t in texts if t.startswith("head ")] == ["head 0", "head 1", "head 7"]
     assert "\N{HORIZONTAL ELLIPSIS}" in texts
 
 
@@ -77,6 +78,34 @@ def test_grouped_heads_join_each_query_head_to_the_key_of_its_group():
             assert nearest == h // G and link[1][1] == pytest.approx(keys[nearest].y1)
         assert f"{p}: key {Hkv}" not in rects and f"{p}: value {Hkv - 1}" in rects
     assert "cached:\n3 key and 3 value heads" in dg.figure_texts(fig)  # narrow: two lines
+
+
+def _label_in(fig, rect) -> str:
+    """The one text drawn inside ``rect``."""
+    inside = [
+        t.get_text()
+        for t in fig.axes[0].texts
+        if rect.x0 < t.get_position()[0] < rect.x1 and rect.y0 < t.get_position()[1] < rect.y1
+    ]
+    assert len(inside) == 1, inside
+    return inside[0]
+
+
+def test_grouped_heads_number_from_0_and_label_key_head_h_floordiv_G():
+    Hq, kv = 8, (8, 2, 1)
+    fig = build("grouped_heads_diagram", Hq, kv)
+    rects = dg.tagged_rects(fig)
+    ends = [line.get_xydata() for line in fig.axes[0].lines if len(line.get_xydata()) == 2]
+    # hand-computed: with G = 4, query heads 0-3 share key head 0 and 4-7 key head 1
+    expected = {8: "01234567", 2: "00001111", 1: "00000000"}
+    for p, Hkv in enumerate(kv):
+        keys = [rects[f"{p}: key {g}"] for g in range(Hkv)]
+        for h in range(Hq):
+            q = rects[f"{p}: query {h}"]
+            assert _label_in(fig, q) == str(h)
+            (link,) = [e for e in ends if np.allclose(e[0], q.bottom)]
+            (key,) = [r for r in keys if r.x0 <= link[1][0] <= r.x1]
+            assert _label_in(fig, key) == expected[Hkv][h]
 
 
 def test_grouped_heads_name_the_three_kinds():

@@ -61,7 +61,11 @@ def demo_multihead(rng: np.random.Generator) -> None:
     mha = MultiHeadAttention.random(16, 4, n_kv_heads=2, rng=rng)
     x = rng.standard_normal((1, 6, 16))
     out, w = mha(x, is_causal=True, return_weights=True)
-    print(f"   {mha}")
+    # the book's letters (E, Hq, Hkv, Dk, Dv), not the constructor's argument names
+    print(
+        f"   W_q {mha.W_q.shape}, W_k {mha.W_k.shape}, W_v {mha.W_v.shape}, W_o {mha.W_o.shape}: "
+        f"E = {mha.d_model}, Dk = {mha.head_dim}, Dv = {mha.value_dim}"
+    )
     print(f"   x {x.shape} -> out {out.shape}, per-head weights {w.shape}")
     print("   head 0, last token's weights:", np.round(w[0, 0, -1], 3))
 

@@ -89,7 +89,8 @@ def multihead_diagram(T: int, E: int, H: int, Dk: int, Dv: int):
     to :math:`Q, K` ``(T, H Dk)`` and :math:`V` ``(T, H Dv)``, each drawn as ``H`` blocks of
     columns (one per head); head :math:`h` attends with block :math:`h` of each; the heads'
     outputs ``(T, Dv)`` are concatenated to ``(T, H Dv)`` and projected by :math:`W_O` back to
-    ``(T, E)``. With more than four heads, heads 1, 2 and ``H`` are drawn.
+    ``(T, E)``. Heads are numbered from 0, as in the code; with more than four heads, heads 0,
+    1 and ``H - 1`` are drawn.
 
     Parameters
     ----------
@@ -262,7 +263,7 @@ def _draw_heads(ax, levels: _Levels, projected, H: int, T: int, Dv: int) -> dict
             )
             continue
         head_boxes[h] = draw_box(
-            ax, hx, head_y, head_w, levels.head_h, f"head {h + 1}", color=NEUTRAL, fill=0.1
+            ax, hx, head_y, head_w, levels.head_h, f"head {h}", color=NEUTRAL, fill=0.1
         )
         _draw_fan(ax, levels, projected, h, head_boxes[h])
     _label_stack(
@@ -352,7 +353,9 @@ def grouped_heads_diagram(Hq: int, Hkv):
     Each panel draws the ``Hq`` query heads above the ``Hkv`` key/value heads (a key above a
     value) and joins each query head to the key/value head its group shares. ``Hkv = Hq`` is
     multi-head attention (groups of one), ``Hkv = 1`` multi-query attention, anything between
-    grouped-query attention. Pass several ``Hkv`` to draw them side by side.
+    grouped-query attention. Pass several ``Hkv`` to draw them side by side. Heads are
+    numbered from 0, as in the code, when the boxes are wide enough: query head ``h`` is
+    joined to key/value head ``h // G``, whose key box carries that number.
 
     Parameters
     ----------
@@ -454,7 +457,7 @@ def _draw_panel(ax, panels: _Panels, p: int, Hq: int, Hkv: int) -> None:
     pitch = span / Hq  # from one query head to the next
     qw = pitch * (0.78 if Hq > 1 else 0.5)  # a query head's width
     queries = _draw_query_heads(ax, panels, p, (x0, pitch, qw), Hq, Hkv)
-    _draw_kv_heads(ax, panels, p, (x0, pitch, qw), queries, Hkv)
+    _draw_kv_heads(ax, panels, p, (x0, pitch, qw), queries, Hkv, show_index=_shows_index(qw, Hq))
     ax.text(
         x0 + span / 2,
         panels.y_kv - 0.05,
@@ -476,12 +479,17 @@ def _draw_panel(ax, panels: _Panels, p: int, Hq: int, Hkv: int) -> None:
         )
 
 
+def _shows_index(qw: float, Hq: int) -> bool:
+    """Whether query heads ``qw`` wide (of ``Hq``) are wide enough to carry their numbers."""
+    return qw >= 0.17 and Hq <= 32
+
+
 def _draw_query_heads(ax, panels: _Panels, p: int, row, Hq: int, Hkv: int) -> list[Rect]:
     """The query heads of panel ``p`` along ``row = (x0, pitch, qw)`` (left, from one head to the
     next, a head's width), and a bracket over each group of ``G``; the heads' boxes."""
     x0, pitch, qw = row
     G = Hq // Hkv
-    show_index = qw >= 0.17 and Hq <= 32
+    show_index = _shows_index(qw, Hq)
     queries = [
         draw_box(
             ax,
@@ -489,7 +497,7 @@ def _draw_query_heads(ax, panels: _Panels, p: int, row, Hq: int, Hkv: int) -> li
             panels.y_q,
             qw,
             panels.q_h,
-            str(h + 1) if show_index else None,
+            str(h) if show_index else None,
             color=QUERY,
             fill=0.35,
             fontsize=LABEL_PT,
@@ -512,9 +520,12 @@ def _draw_query_heads(ax, panels: _Panels, p: int, row, Hq: int, Hkv: int) -> li
     return queries
 
 
-def _draw_kv_heads(ax, panels: _Panels, p: int, row, queries: list[Rect], Hkv: int) -> None:
+def _draw_kv_heads(
+    ax, panels: _Panels, p: int, row, queries: list[Rect], Hkv: int, *, show_index: bool
+) -> None:
     """One key head over one value head per group of ``G`` query heads, under the group, each
-    query head linked to its key head; ``row`` as for :func:`_draw_query_heads`."""
+    query head linked to its key head; ``row`` as for :func:`_draw_query_heads`. With
+    ``show_index`` the key head of group ``g`` carries its number ``g`` (from 0)."""
     x0, pitch, qw = row
     G = len(queries) // Hkv
     group_w = G * pitch
@@ -527,9 +538,10 @@ def _draw_kv_heads(ax, panels: _Panels, p: int, row, queries: list[Rect], Hkv: i
             panels.y_kv + panels.kv_h,
             kvw,
             panels.kv_h,
-            None,
+            str(g) if show_index else None,
             color=KEY,
             fill=0.45,
+            fontsize=LABEL_PT,
             rounded=False,
             tag=f"{p}: key {g}",
         )
