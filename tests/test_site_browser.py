@@ -82,6 +82,112 @@ MODES = {
     "phone": {"transport": "file", "scheme": "dark", "viewport": {"width": 390, "height": 844}},
 }
 MIN_FIGURE_SCALE = 0.75  # 9-point figure text renders at >= 9 px (1 pt = 4/3 px at scale 1)
+# Smallest figure text a reader can read, in CSS px, by mode (the book's style: 9 px on a 390 px
+# phone, 10 px at 1280 px). Checked on the pages whose figures have been redrawn for it.
+MIN_TEXT_PX = {"desktop": 10.0, "phone": 9.0}
+PHONE_READY_PAGES = frozenset(
+    {
+        "appendix/api.html",
+        "appendix/api/attention.html",
+        "appendix/api/cost-model.html",
+        "appendix/api/examples.html",
+        "appendix/api/iomodel.html",
+        "appendix/api/nn.html",
+        "appendix/api/plotting.html",
+        "appendix/api/problem.html",
+        "appendix/api/sdpa-book.html",
+        "appendix/api/sdpa.html",
+        "appendix/api/threads.html",
+        "appendix/api/tiled.html",
+        "appendix/api/tuning.html",
+        "appendix/bibliography.html",
+        "appendix/glossary.html",
+        "appendix/inside-the-fast-path.html",
+        "appendix/notation.html",
+        "appendix/running.html",
+        "formula/attention-at-work.html",
+        "formula/dot-product.html",
+        "formula/scaling.html",
+        "formula/softmax.html",
+        "formula/weighted-sum.html",
+        "intuition/the-cat-sleeps.html",
+        "run-it-yourself.html",
+    }
+)
+# Every other page of the book, with why its figures are not checked yet (the text sizes measured
+# in the last run of this module are in _build/screenshots/figure-text.json).
+PHONE_PENDING_PAGES: dict[str, str] = {
+    "cost/complexity.html": "not redrawn: smallest text 4.2 px at 390 px, 8.3 px at 1280 px",
+    "cost/memory-efficient.html": "not redrawn: smallest text 4.2 px at 390 px, 8.3 px at 1280 px",
+    "formula/notation-and-shapes.html": "attention_pipeline_diagram (sdpa_book.diagrams): text 6.0 px at 390 px",
+    "formula/putting-it-together.html": "heatmaps pass; attention_pipeline_diagram (sdpa_book.diagrams): 4.2 px at 390 px",
+    "gradients/backward.html": "not redrawn: smallest text 4.2 px at 390 px, 8.2 px at 1280 px",
+    "gradients/scaling-revisited.html": "not redrawn: smallest text 4.2 px at 390 px, 8.3 px at 1280 px",
+    "index.html": "not redrawn: smallest text 8.7 px at 390 px, 12.0 px at 1280 px",
+    "intuition/what-attention-does.html": "heatmap passes; token_qkv_diagram (sdpa_book.diagrams): 4.2 px at 390 px",
+    "llm/masking.html": "not redrawn: smallest text 5.9 px at 390 px, 11.7 px at 1280 px",
+    "llm/multi-head.html": "not redrawn: smallest text 4.2 px at 390 px, 8.2 px at 1280 px",
+    "llm/positional-encoding.html": "not redrawn: smallest text 6.5 px at 390 px, 9.3 px at 1280 px",
+    "llm/self-cross-causal.html": "not redrawn: smallest text 6.0 px at 390 px, 11.8 px at 1280 px",
+    "lm/induction-heads.html": "not redrawn: smallest text 6.0 px at 390 px, 11.8 px at 1280 px",
+    "lm/training.html": "not redrawn: smallest text 7.0 px at 390 px, 12.0 px at 1280 px",
+    "lm/transformer-block.html": "not redrawn: smallest text 5.9 px at 390 px, 11.7 px at 1280 px",
+    "modern/alibi.html": "not redrawn: smallest text 4.9 px at 390 px, 8.4 px at 1280 px",
+    "modern/kv-cache.html": "not redrawn: smallest text 5.3 px at 390 px, 8.4 px at 1280 px",
+    "modern/linear-attention.html": "not redrawn: smallest text 5.3 px at 390 px, 8.4 px at 1280 px",
+    "modern/rope.html": "not redrawn: smallest text 4.2 px at 390 px, 8.3 px at 1280 px",
+    "modern/sliding-window.html": "not redrawn: smallest text 5.3 px at 390 px, 8.4 px at 1280 px",
+}
+
+# A matplotlib SVG draws text as glyph paths: each string is a group whose transform ends in
+# scale(s -s), s = font size / 100 (matplotlib's TextToPath.FONT_SCALE), holding <use> glyphs with
+# an optional scale of their own (mathtext's smaller sub- and superscripts).
+_GLYPH_GROUP = re.compile(
+    r'<g\b[^>]*transform="[^"]*scale\(([-\d.e]+) -[-\d.e]+\)"[^>]*>(.*?)</g>', re.S
+)
+_USE = re.compile(r"<use\b[^>]*>")
+_USE_SCALE = re.compile(r'transform="[^"]*scale\(([-\d.e]+)\)')
+# Mathtext stretches a radical or a big delimiter to a height by drawing a glyph of STIX's size
+# variants at whatever font size gives that height: a shape, not text, so it is not measured.
+_STRETCHED = re.compile(r'href="#STIXSize')
+_VIEWBOX = re.compile(r'<svg\b[^>]*viewBox="\s*[-\d.e]+[\s,]+[-\d.e]+[\s,]+([-\d.e]+)')
+FONT_SCALE = 100  # matplotlib.textpath.TextToPath.FONT_SCALE
+FIGURE_TEXT: dict[str, dict[str, list]] = {mode: {} for mode in MODES}  # mode -> page -> figures
+
+
+def smallest_text_px(svg: str, rendered_width: float) -> float | None:
+    """The smallest glyph of a matplotlib SVG, in CSS px, when the image is ``rendered_width`` px wide.
+
+    A glyph's size in the SVG's user units is ``FONT_SCALE * s * u`` (``s`` its group's scale,
+    ``u`` its own, 1 if none); the image maps ``viewBox`` width user units onto ``rendered_width``
+    CSS px. Stretched radicals and delimiters are shapes, not text, and are left out. ``None``
+    if the SVG has no text drawn as glyphs.
+    """
+    box = _VIEWBOX.search(svg)
+    sizes = []
+    for group_scale, body in _GLYPH_GROUP.findall(svg):
+        for use in _USE.findall(body):
+            if _STRETCHED.search(use):
+                continue
+            own = _USE_SCALE.search(use)
+            sizes.append(FONT_SCALE * abs(float(group_scale)) * (float(own[1]) if own else 1.0))
+    if not box or not sizes:
+        return None
+    return min(sizes) * rendered_width / float(box[1])
+
+
+def _figure_text(report: dict) -> list[tuple[str, float]]:
+    """(figure file, smallest text in CSS px) for each SVG figure of a page with text."""
+    found = []
+    for fig in report["figures"]:
+        name = urlsplit(fig["src"]).path.rsplit("/", 1)[-1]
+        path = SITE / "_images" / name
+        if not name.endswith(".svg") or not path.exists():
+            continue
+        px = smallest_text_px(path.read_text(encoding="utf-8"), fig["width"])
+        if px is not None:
+            found.append((name, round(px, 2)))
+    return found
 
 
 def _skip_or_fail(reason: str) -> None:
@@ -154,7 +260,8 @@ async () => {
   });
   const figures = images.filter((img) => img.closest("article") && img.naturalWidth > 0)
     .map((img) => ({src: img.currentSrc || img.src, alt: (img.getAttribute("alt") || "").trim(),
-                    scale: img.clientWidth / img.naturalWidth, natural: img.naturalWidth}));
+                    scale: img.clientWidth / img.naturalWidth, natural: img.naturalWidth,
+                    width: img.getBoundingClientRect().width}));
 
   return {
     pageScroll: document.documentElement.scrollWidth - window.innerWidth,
@@ -174,9 +281,17 @@ async () => {
 """
 
 
-def _judge_layout(report: dict, mode: str) -> list[str]:
-    """Nothing clipped: the desktop fits the column; the phone scrolls only inside containers."""
+def _judge_layout(report: dict, mode: str, *, check_text: bool = False) -> list[str]:
+    """Nothing clipped: the desktop fits the column; the phone scrolls only inside containers.
+
+    With ``check_text``, also no figure text under ``MIN_TEXT_PX[mode]`` (``report["figureText"]``:
+    the pairs of :func:`_figure_text`).
+    """
     problems = []
+    if check_text:
+        small = [(n, px) for n, px in report.get("figureText", []) if px < MIN_TEXT_PX[mode]]
+        if small:
+            problems.append(f"figure text under {MIN_TEXT_PX[mode]:g} px: {small}")
     missing_alt = [f["src"].rsplit("/", 1)[-1] for f in report["figures"] if not f["alt"]]
     if missing_alt:
         problems.append(f"images without alt text: {missing_alt}")
@@ -250,8 +365,9 @@ async def _visit(browser, mode: str, page_name: str, url: str) -> list[str]:
         await page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
         report = await page.evaluate(INSPECT_JS)
         problems += _judge(report)
+        report["figureText"] = FIGURE_TEXT[mode][page_name] = _figure_text(report)
         if page_name in SOURCE_PAGES:
-            problems += _judge_layout(report, mode)
+            problems += _judge_layout(report, mode, check_text=page_name in PHONE_READY_PAGES)
         if MODES[mode]["transport"] == "http" and page_name in SOURCE_PAGES:
             if not report["downloads"]:
                 problems.append("no download links to the page's source")
@@ -330,7 +446,21 @@ def visits(request, site, server) -> dict[str, dict[str, list[str]]]:
         folder.mkdir(parents=True, exist_ok=True)
         for page in wanted[mode]:
             _shot_path(mode, page).unlink(missing_ok=True)
-    return {mode: asyncio.run(_crawl(mode, server, sorted(wanted[mode]))) for mode in MODES}
+    found = {mode: asyncio.run(_crawl(mode, server, sorted(wanted[mode]))) for mode in MODES}
+    _write_figure_text()
+    return found
+
+
+def _write_figure_text() -> None:
+    """Record the smallest figure text of every page visited, merged into the last runs' record."""
+    import json
+
+    record = SCREENSHOTS / "figure-text.json"
+    table = json.loads(record.read_text()) if record.exists() else {}
+    for mode, pages in FIGURE_TEXT.items():
+        for page, figures in pages.items():
+            table.setdefault(page, {})[mode] = figures
+    record.write_text(json.dumps(table, indent=1, sort_keys=True))
 
 
 @pytest.mark.parametrize("page", PAGES or ["(site not built)"])
@@ -391,3 +521,69 @@ def test_layout_judge_catches_clipping_and_shrinking():
     assert "scrolls sideways" in _judge_layout({**ok, "pageScroll": 40}, "phone")[0]
     cut = {"what": "img#f", "width": 500, "column": 350, "scrolls": False, "cue": False}
     assert "cut off" in _judge_layout({**ok, "wide": [cut]}, "phone")[0]
+
+
+def test_smallest_text_px_by_hand():
+    """A 9 pt label on a 4 in figure: 9 user units of a 288-unit viewBox; 12 px at 384 px wide."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with matplotlib.rc_context({"svg.fonttype": "path"}):
+        fig = plt.figure(figsize=(4.0, 2.0))
+        fig.text(0.1, 0.5, "key token j", fontsize=9)
+        fig.text(0.1, 0.2, "weights", fontsize=12)
+        buffer = io.StringIO()
+        fig.savefig(buffer, format="svg")
+        plt.close(fig)
+    svg = buffer.getvalue()
+    assert 'viewBox="0 0 288 144"' in svg  # 4 in x 72 user units (pt) per inch
+    # Natural size: 4 in x 96 px = 384 px, so 9 pt -> 9 * 384 / 288 = 12 px (1 pt = 4/3 px).
+    assert smallest_text_px(svg, 384) == pytest.approx(12.0)
+    # The same figure in a 358 px phone column: 9 * 358 / 288 = 11.19 px; at half size, 6 px.
+    assert smallest_text_px(svg, 358) == pytest.approx(11.1875)
+    assert smallest_text_px(svg, 192) == pytest.approx(6.0)
+    # Mathtext: a subscript's glyphs carry their own smaller scale (0.7 of 10 pt in DejaVu).
+    with matplotlib.rc_context({"svg.fonttype": "path", "mathtext.fontset": "dejavusans"}):
+        fig = plt.figure(figsize=(4.0, 2.0))
+        fig.text(0.1, 0.5, r"$a_{ij}$", fontsize=10)
+        buffer = io.StringIO()
+        fig.savefig(buffer, format="svg")
+        plt.close(fig)
+    assert smallest_text_px(buffer.getvalue(), 384) == pytest.approx(10 * 0.7 * 4 / 3, rel=0.02)
+    # A radical stretched to a height is a shape, not text: the 10 pt digits are the smallest.
+    with matplotlib.rc_context({"svg.fonttype": "path", "mathtext.fontset": "dejavusans"}):
+        fig = plt.figure(figsize=(4.0, 2.0))
+        fig.text(0.1, 0.5, r"scaled by $1/\sqrt{2}$", fontsize=10)
+        buffer = io.StringIO()
+        fig.savefig(buffer, format="svg")
+        plt.close(fig)
+    assert "STIXSize" in buffer.getvalue()
+    assert smallest_text_px(buffer.getvalue(), 384) == pytest.approx(10 * 4 / 3)
+    assert smallest_text_px("<svg viewBox='0 0 10 10'></svg>", 100) is None
+
+
+def test_layout_judge_checks_figure_text():
+    fig = {"src": "a/fig.svg", "alt": "A plot.", "scale": 1.0, "natural": 600}
+    ok = {"wide": [], "figures": [fig], "pageScroll": 0, "figureText": [("fig.svg", 9.5)]}
+    assert _judge_layout(ok, "phone", check_text=True) == []
+    assert "figure text under 10 px" in _judge_layout(ok, "desktop", check_text=True)[0]
+    assert _judge_layout(ok, "desktop") == []  # pages not yet redrawn are not judged on it
+    tiny = {**ok, "figureText": [("fig.svg", 8.99)]}
+    assert "figure text under 9 px" in _judge_layout(tiny, "phone", check_text=True)[0]
+
+
+def test_every_page_is_phone_ready_or_pending():
+    """No page goes unchecked silently: each is checked, or pending with a one-line reason."""
+    assert not PHONE_READY_PAGES & PHONE_PENDING_PAGES.keys()
+    unknown = (PHONE_READY_PAGES | PHONE_PENDING_PAGES.keys()) - SOURCE_PAGES
+    assert not unknown, f"pages named that the book does not have: {sorted(unknown)}"
+    unlisted = SOURCE_PAGES - PHONE_READY_PAGES - PHONE_PENDING_PAGES.keys()
+    assert not unlisted, (
+        f"pages neither phone-ready nor pending (with a reason): {sorted(unlisted)}"
+    )
+    for page, reason in PHONE_PENDING_PAGES.items():
+        assert reason.strip() and "\n" not in reason, f"{page}: give a one-line reason"
