@@ -9,6 +9,7 @@ What goes beyond a stock configuration is done by the book's own extensions, in 
   copied into the site, so no page loads anything from another host.
 * ``sdpa_reading_time``: ``[[minutes:page]]`` on the landing page becomes that page's reading time.
 * ``sdpa_api``: the API page's sections come from each module's ``__all__``.
+* ``sdpa_citations``: each entry of the bibliography links back to the pages that cite it.
 * ``sdpa_notebooks``: each executed page is offered as a notebook a reader can run in plain
   Jupyter, beside its MyST source in ``_sources/``.
 * ``sdpa_downloads``: the ``sdpa`` wheel and source archive that ``make html`` builds, a pinned
@@ -43,6 +44,7 @@ extensions = [
     "sdpa_mathjax",
     "sdpa_reading_time",
     "sdpa_api",
+    "sdpa_citations",
     "sdpa_notebooks",
     "sdpa_downloads",
 ]

@@ -42,6 +42,7 @@ MIN_ASSERTIONS = 367
 
 # Pages with no "On this page" box: the landing page and reference pages that are lists.
 NO_OVERVIEW = {"index.md", "appendix/api.md", "appendix/bibliography.md", "appendix/glossary.md"}
+NO_OVERVIEW |= {f"appendix/api/{p.name}" for p in (BOOK / "appendix" / "api").glob("*.md")}
 
 SOURCES = sorted(
     p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts
@@ -548,9 +549,33 @@ def test_api_summary_signatures_wrap_between_arguments(site_pages):
     after a comma, never inside a name."""
     from bs4 import BeautifulSoup
 
-    html = (SITE / "appendix" / "api.html").read_text(encoding="utf-8")
+    html = (SITE / "appendix" / "api" / "sdpa.html").read_text(encoding="utf-8")
     tables = BeautifulSoup(html, "html.parser").select("table.autosummary")
     assert tables, "the API page has no autosummary table"
     texts = [table.get_text() for table in tables]
     assert any("head_dim" in text for text in texts)  # signatures are there
     assert not any("\xa0" in text for text in texts)
+
+
+def test_bibliography_links_back_to_every_citation(site_pages):
+    """Each work in the bibliography links back to the pages that cite it, at the citation,
+    and every citation in the book is linked from its entry (book/_ext/sdpa_citations.py)."""
+    from bs4 import BeautifulSoup
+
+    page = SITE / "appendix" / "bibliography.html"
+    soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+    entries = soup.select("div.citation")
+    assert entries, "the bibliography lists no work"
+    linked = set()
+    for entry in entries:
+        back = entry.select_one("p.sdpa-cited-in")
+        assert back is not None, f"no 'Cited in' line under {entry.get_text()[:60]!r}"
+        for link in back.find_all("a", href=True):
+            target, _, anchor = link["href"].partition("#")
+            html = (page.parent / target).resolve()
+            assert html.is_file(), link["href"]
+            cited = BeautifulSoup(html.read_text(encoding="utf-8"), "html.parser")
+            assert cited.find(id=anchor) is not None, f"no anchor {anchor!r} in {target}"
+            linked.add(html.relative_to(SITE.resolve()).as_posix().removesuffix(".html"))
+    citing = {_rel(p).removesuffix(".md") for p in SOURCES if "{cite" in p.read_text("utf-8")}
+    assert citing <= linked, f"pages citing a work but not linked back: {citing - linked}"
