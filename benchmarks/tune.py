@@ -110,28 +110,6 @@ def _nnls(A, b, iterations=20):
     return x
 
 
-def _cpu_time(f, rounds):
-    """Best CPU time of ``f`` on the calling thread over ``rounds`` runs (after a warm-up)."""
-    f()
-    best = np.inf
-    for _ in range(rounds):
-        start = time.thread_time()
-        f()
-        best = min(best, time.thread_time() - start)
-    return best
-
-
-def _wall_time(f, rounds, idle=0.01):
-    f()
-    best = np.inf
-    for _ in range(rounds):
-        time.sleep(idle)
-        start = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _features(problem):
     """The terms of ``sdpa.cost_model.estimated_times``, per path, for one problem."""
     from sdpa.cost_model import tiling_geometry

@@ -44,7 +44,7 @@ def test_a_block_entered_from_another_thread_limits_blas(two_blas_threads):
     # The main thread changes BLAS first (as it does in any program that called the tiled path
     # before starting threads); a block entered from a worker thread must still take effect.
     with single_threaded_blas():
-        pass
+        assert set(blas_threads()) == {1}
     assert blas_threads() == two_blas_threads
 
     def inside() -> tuple[list[int], list[int]]:

@@ -126,7 +126,7 @@ def tile_exponential(dtype) -> Callable[..., np.ndarray]:
     Decided from what the machine and NumPy's build are, never from a timing, so that every
     process on one machine computes the same bits: ``exp2`` for float32 on Linux x86-64 when
     NumPy dispatches its AVX-512 (SKX) loops, which hand float32 ``exp2`` to Intel's vector
-    math library SVML. There it ran 1.8 to 2.1 times as fast as ``exp`` (Intel Xeon Sapphire
+    math library SVML. There it ran 1.7 to 2.1 times as fast as ``exp`` (Intel Xeon Sapphire
     Rapids, AMD EPYC Zen 4) and is correctly rounded to within 1 ulp (``exp`` to 2.4 ulp).
     Float64 ``exp2`` gained at most 15 % there, and elsewhere ``exp2`` may be a scalar loop,
     many times slower, so both take ``exp``. (SVML's ``exp2`` is slow on ``-inf`` and on
