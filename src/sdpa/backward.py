@@ -227,7 +227,12 @@ def backward_tiled(
     d_v = np.zeros((*batch, S, Dv), dtype=dtype)
 
     def key_tile(span: tuple[int, int], d_q: np.ndarray) -> None:
-        with np.errstate(over="ignore"):  # scores - shift may overflow to -inf: P = 0
+        # scores - shift may overflow to -inf (P = 0). And OpenBLAS's small-matrix kernels can
+        # leave the invalid flag set on finite inputs (seen once in a worker thread, on float16
+        # inputs in float32, not reproducible): non-finite inputs are found and their rows marked
+        # from the inputs themselves (_mark_gradients), as the forward's workers do, not from
+        # the flags.
+        with np.errstate(over="ignore", invalid="ignore"):
             key_tile_rows(*span, d_q)
 
     def key_tile_rows(s0: int, s1: int, d_q: np.ndarray) -> None:
