@@ -25,10 +25,16 @@ NODE_STAMP := node_modules/.package-lock.json
 # (doctrees/jupyter-cache/<fingerprint of src/sdpa>), so a package change re-executes the book.
 SPHINX := $(VPY) -m sphinx -c . book -d $(BUILDDIR)/doctrees
 # The sdpa wheel and source archive the site offers (book/_ext/sdpa_downloads.py copies them into
-# _build/html/downloads/ with the notebooks). Rebuilt only when the package's files change.
+# _build/html/downloads/ with the notebooks). The wheel holds the packages of src/; the source
+# archive (the sdist, MANIFEST.in) the whole project, so that `make html` and `make test` work in
+# an unpacked copy, which has no .git. Rebuilt only when a file that goes into them changes.
 DIST       := $(BUILDDIR)/dist
 DIST_STAMP := $(DIST)/.built
-DIST_DEPS  := pyproject.toml README.md LICENSE $(shell find src -name '*.py' -not -path '*/__pycache__/*')
+DIST_ROOT  := Makefile MANIFEST.in conf.py pyproject.toml README.md CONTRIBUTING.md LICENSE \
+              constraints.txt package.json package-lock.json .gitignore
+DIST_DEPS  := $(DIST_ROOT) $(shell find .ci benchmarks book src tests -type f \
+                -not -path '*/__pycache__/*' -not -path '*/.ipynb_checkpoints/*' \
+                -not -name '*.py[cod]' -not -name '*.tmp' 2>/dev/null)
 
 .DEFAULT_GOAL := help
 .PHONY: help venv node_modules test unit lint doctest html html-force serve bench demo constraints clean

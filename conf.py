@@ -2,9 +2,9 @@
 
 What goes beyond a stock configuration is done by the book's own extensions, in book/_ext/:
 
-* ``sdpa_cache``: the execution cache is keyed on ``src/sdpa`` (and ``src/sdpa_book``, Python,
-  NumPy and Matplotlib), so a change to the package re-executes every page, and a rebuild with no
-  change executes nothing.
+* ``sdpa_cache``: the execution cache is keyed on ``src/sdpa`` (and ``src/sdpa_book``, the
+  committed benchmark results, Python, NumPy and Matplotlib), so a change to the package
+  re-executes every page, and a rebuild with no change executes nothing.
 * ``sdpa_mathjax``: MathJax 4 and its font, from the npm packages pinned in ``package.json``, are
   copied into the site, so no page loads anything from another host.
 * ``sdpa_reading_time``: ``[[minutes:page]]`` on the landing page becomes that page's reading time.
@@ -72,7 +72,8 @@ nb_merge_streams = True
 os.environ["SDPA_BOOK_BUILD"] = "1"
 
 # The execution cache (sdpa_cache): what the pages' outputs depend on besides their own code.
-sdpa_cache_packages = ["src/sdpa", "src/sdpa_book"]  # relative to this folder
+# Relative to this folder; Inside the fast path renders the committed benchmark results.
+sdpa_cache_packages = ["src/sdpa", "src/sdpa_book", "benchmarks/results/latest.json"]
 sdpa_cache_distributions = ["numpy", "matplotlib"]  # and the Python version
 
 # API reference (sdpa_api: sdpa.__all__ is documented in full; other modules skip its names)
@@ -99,6 +100,8 @@ html_context = {"default_mode": "auto"}
 html_theme_options = {
     "show_toc_level": 2,
     "use_download_button": True,
+    # pydata-sphinx-theme 0.20 puts a second search box in the header unless this is empty.
+    "navbar_persistent": [],
 }
 html_last_updated_fmt = None
 html_copy_source = True

@@ -6,8 +6,9 @@ tracked), or ``--out DIR``; ``--refresh`` (``make bench REFRESH=1``) writes them
 ``benchmarks/results/``, the tracked results that the book and the README cite. ``--baseline
 REV`` also times the package as it was at git revision ``REV``, interleaved with the rest, so
 that a change's effect on speed is measured in one run on one machine. ``--only`` runs some
-sections: ``torch`` (the table below), ``auto`` (the ``implementation="auto"`` grid) and
-``split`` (where the time goes).
+sections: ``torch`` (the table below), ``auto`` (the ``implementation="auto"`` grid),
+``split`` (where the time goes) and ``flex`` (``sdpa.flex_attention`` with and without a
+causal block mask).
 
 For every case, one head of width 64 unless stated, inputs with unit-normal entries:
 
@@ -25,7 +26,11 @@ For every case, one head of width 64 unless stated, inputs with unit-normal entr
   the NumPy calls around NumPy's own ``exp`` could gain;
 * the ``"auto"`` grid: many small heads, few large ones and batched heads, each timed with
   ``implementation="auto"``, ``"reference"`` and ``"tiled"``; ``auto`` should be within 10 % of
-  the faster of the two on every case.
+  the faster of the two on every case;
+* programmable attention: ``sdpa.flex_attention`` at T = S = 4096, 8 heads of width 64,
+  float32, without a mask and with a causal ``BlockMask`` (which skips the blocks above the
+  diagonal: the causal call should take at most 0.6 of the time of the unmasked one), against
+  ``scaled_dot_product_attention(is_causal=True)``; and the time ``create_block_mask`` takes.
 
 The implementations are timed interleaved, round after round, with a pause between calls:
 OpenBLAS and torch worker threads keep spinning for about 0.1 s after a call and slow down
@@ -63,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"  # tracked: written only with --refresh
 DEFAULT_OUT = REPO / "_build" / "bench"  # untracked
-SECTIONS = ("torch", "auto", "split")
+SECTIONS = ("torch", "auto", "split", "flex")
 D = 64
 FULL_NS = [1024, 2048, 4096, 8192, 16384]
 QUICK_NS = [1024, 2048]
@@ -611,6 +616,103 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     return result
 
 
+def flex_cases(quick: bool) -> list[dict]:
+    """The programmable-attention cases: B = 1, 8 heads of width 64, float32, T = S = n."""
+    return [dict(batch=(1, 8), n=n, d=D, dtype="float32") for n in ([2048] if quick else [4096])]
+
+
+def run_flex_case(case, idle) -> dict:
+    """``flex_attention`` without a mask and with a causal block mask, and
+    ``scaled_dot_product_attention(is_causal=True)``, timed interleaved (median of the rounds);
+    the ratio of the masked call to the unmasked one, which skipping the empty blocks makes
+    about one half (the target is at most 0.6); how long ``create_block_mask`` takes; and the
+    largest difference between the two causal results."""
+    B, H = case["batch"]
+    n, dtype = case["n"], np.dtype(case["dtype"])
+    rng = np.random.default_rng(n + 23)
+    q, k, v = (rng.standard_normal((B, H, n, case["d"])).astype(dtype) for _ in range(3))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    creation = []
+    for _ in range(5):
+        time.sleep(idle)
+        start = time.perf_counter()
+        mask = sdpa.create_block_mask(causal, None, None, n, n)
+        creation.append(time.perf_counter() - start)
+    impls = {
+        "flex, no mask": lambda: sdpa.flex_attention(q, k, v),
+        "flex, causal block mask": lambda: sdpa.flex_attention(q, k, v, block_mask=mask),
+        "sdpa, is_causal": lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    outputs, warm = {}, {}
+    for name, f in impls.items():  # warm-up, and the time per call
+        time.sleep(idle)
+        start = time.perf_counter()
+        outputs[name] = f()
+        warm[name] = time.perf_counter() - start
+    times = interleaved_times(impls, repeats_for(warm["flex, no mask"]), idle)
+    result = dict(case, batch=list(case["batch"]))
+    result["repeats"] = {name: len(t) for name, t in times.items()}
+    result["time"] = {name: statistics.median(t) for name, t in times.items()}
+    result["create_block_mask"] = statistics.median(creation)
+    result["sparsity"] = mask.sparsity()
+    t = result["time"]
+    result["causal/none"] = t["flex, causal block mask"] / t["flex, no mask"]
+    result["causal/sdpa causal"] = t["flex, causal block mask"] / t["sdpa, is_causal"]
+    result["max difference"] = float(
+        np.max(np.abs(outputs["flex, causal block mask"] - outputs["sdpa, is_causal"]))
+    )
+    return result
+
+
+def flex_lines(flex) -> list[str]:
+    """Programmable attention: the causal block mask against no mask and against sdpa."""
+    lines = [
+        "",
+        "## Programmable attention: `flex_attention` with a causal block mask",
+        "",
+        "Median wall time over interleaved rounds; the block mask's default blocks of 128 x 128 "
+        '(the "sparsity" is the share of blocks it skips); "causal/none" is the time with the '
+        "causal block mask over the time without a mask (target: at most 0.60).",
+        "",
+        *table(
+            [
+                "dtype",
+                "B x H",
+                "n",
+                "no mask",
+                "causal block mask",
+                "sdpa is_causal",
+                "causal/none",
+                "causal/sdpa causal",
+                "sparsity %",
+                "create_block_mask",
+                "max abs difference from sdpa",
+            ],
+            [
+                [
+                    r["dtype"],
+                    f"{r['batch'][0]} x {r['batch'][1]}",
+                    str(r["n"]),
+                    fmt_time(r["time"]["flex, no mask"]),
+                    fmt_time(r["time"]["flex, causal block mask"]),
+                    fmt_time(r["time"]["sdpa, is_causal"]),
+                    f"{r['causal/none']:.2f}",
+                    f"{r['causal/sdpa causal']:.2f}",
+                    f"{r['sparsity']:.1f}",
+                    fmt_time(r["create_block_mask"]),
+                    f"{r['max difference']:.1e}",
+                ]
+                for r in flex
+            ],
+        ),
+    ]
+    worst = max(r["causal/none"] for r in flex)
+    return lines + ["", f"- worst causal/none: {worst:.2f} (target: at most 0.60)"]
+
+
 def _mib(x, spec=".1f"):
     return fmt(None if x is None else x / 2**20, spec)
 
@@ -814,6 +916,8 @@ def markdown(report) -> str:
         lines += auto_lines(report["auto"])
     if report.get("time_split"):
         lines += split_lines(report["time_split"])
+    if report.get("flex"):
+        lines += flex_lines(report["flex"])
     return "\n".join(lines) + "\n"
 
 
@@ -950,6 +1054,18 @@ def main(argv=None) -> int:
         report["time_split"] = time_split(
             torch, n=QUICK_NS[-1] if args.quick else 4096, baseline=baseline
         )
+    if "flex" in args.sections:
+        report["flex"] = []
+        for case in flex_cases(args.quick):
+            r = run_flex_case(case, args.idle)
+            report["flex"].append(r)
+            t = r["time"]
+            print(
+                f"flex {case['batch']} n={case['n']}: no mask {fmt_time(t['flex, no mask'])}, "
+                f"causal block mask {fmt_time(t['flex, causal block mask'])}, sdpa is_causal "
+                f"{fmt_time(t['sdpa, is_causal'])}, causal/none {r['causal/none']:.2f}",
+                flush=True,
+            )
     report["load"] = [load0, os.getloadavg()[0]]
     stem = "quick" if args.quick else "latest"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

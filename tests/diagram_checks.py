@@ -4,7 +4,9 @@ and readers of what a figure shows (its shape labels, grey cells, arrows) and of
 from __future__ import annotations
 
 import functools
+import io
 import itertools
+import re
 
 import numpy as np
 from matplotlib.text import Text
@@ -88,3 +90,41 @@ def drawn_masks(fig, T: int, S: int) -> list[np.ndarray]:
 
 def loop_mask(T, S, keep) -> np.ndarray:
     return np.array([[keep(i, j) for j in range(S)] for i in range(T)])
+
+
+PHONE_COLUMN_PX = 342  # the book's column on a 390 px phone (the screen less its padding)
+# Matplotlib's SVG draws each text as a group scaled by fontsize / 100, of glyphs that may carry
+# a scale of their own (mathtext's smaller sub- and superscripts).
+_GROUP = re.compile(r'<g\b[^>]*transform="[^"]*scale\(([-\d.e]+) -[-\d.e]+\)"[^>]*>(.*?)</g>', re.S)
+_USE = re.compile(r"<use\b[^>]*>")
+_USE_SCALE = re.compile(r'transform="[^"]*scale\(([-\d.e]+)\)')
+_VIEWBOX_WIDTH = re.compile(r'<svg\b[^>]*viewBox="\s*[-\d.e]+\s+[-\d.e]+\s+([-\d.e]+)')
+
+
+def smallest_text_px(fig) -> dict[str, float]:
+    """The smallest glyph of ``fig``, in CSS px, on a 390 px phone and at 1280 px, saved as the
+    book saves it (SVG, ``bbox_inches="tight"``: 0.1 in of padding) and shown at its natural
+    size (1 pt = 4/3 px) or, on the phone, shrunk to the column."""
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", bbox_inches="tight")
+    svg = buffer.getvalue()
+    sizes = [
+        100 * abs(float(scale)) * (float(own[1]) if (own := _USE_SCALE.search(use)) else 1.0)
+        for scale, body in _GROUP.findall(svg)
+        for use in _USE.findall(body)
+        if 'href="#STIXSize' not in use  # a stretched radical: a shape, not text
+    ]
+    natural_px = float(_VIEWBOX_WIDTH.search(svg)[1]) * 4 / 3  # the viewBox is in points
+    pt = min(sizes)
+    return {
+        "desktop": pt * 4 / 3,
+        "phone": pt * 4 / 3 * min(1.0, PHONE_COLUMN_PX / natural_px),
+    }
+
+
+def assert_reads_on_a_phone(fig) -> None:
+    """At most 4.8 in wide, and the smallest glyph at least 9 CSS px on a 390 px phone and 10 px
+    at 1280 px, measured from the saved SVG as the browser test measures the page's figures."""
+    assert fig.get_size_inches()[0] <= 4.8 + 1e-9, fig.get_size_inches()
+    px = smallest_text_px(fig)
+    assert px["phone"] >= 9.0 and px["desktop"] >= 10.0, px

@@ -2,53 +2,53 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from diagram_checks import arrow_ends, build  # noqa: E402
+from diagram_checks import arrow_ends, assert_legible, assert_reads_on_a_phone, build  # noqa: E402
 
 from sdpa_book import diagrams as dg  # noqa: E402
-from sdpa_book.diagrams.primitives import MARGIN  # noqa: E402
-from sdpa_book.figures import FULL_WIDTH  # noqa: E402
 
 
 def test_backward_graph_shows_each_stage_with_its_shape():
     T, S, Dk, Dv = 3, 5, 7, 2
     fig = build("backward_graph_diagram", T=T, S=S, Dk=Dk, Dv=Dv)
+    # each box: the formula, then the shape in letters = in numbers
     texts = {
-        t.splitlines()[0].split(" = ")[0].strip("$"): t.splitlines()[1:]
+        t.splitlines()[0].split(" = ")[0].strip("$"): t.splitlines()[1]
         for t in dg.figure_texts(fig)
-        if t.count("\n") == 2
+        if t.count("\n") == 1
     }
     expected = {
-        "Q": ("T, D_k", "(3, 7)"),
-        "K": ("S, D_k", "(5, 7)"),
-        "Z": ("T, S", "(3, 5)"),
-        "A": ("T, S", "(3, 5)"),
-        "V": ("S, D_v", "(5, 2)"),
-        "O": ("T, D_v", "(3, 2)"),
-        "dO": ("T, D_v", "(3, 2)"),
-        "dV": ("S, D_v", "(5, 2)"),
-        "dA": ("T, S", "(3, 5)"),
-        "\\delta_i": ("T,", "(3,)"),
-        "dZ": ("T, S", "(3, 5)"),
-        "dQ": ("T, D_k", "(3, 7)"),
-        "dK": ("S, D_k", "(5, 7)"),
+        "Q": "$(T, D_k)$ = (3, 7)",
+        "K": "$(S, D_k)$ = (5, 7)",
+        "Z": "$(T, S)$ = (3, 5)",
+        "A": "$(T, S)$ = (3, 5)",
+        "V": "$(S, D_v)$ = (5, 2)",
+        "O": "$(T, D_v)$ = (3, 2)",
+        "dO": "$(T, D_v)$ = (3, 2)",
+        "dV": "$(S, D_v)$ = (5, 2)",
+        "dA": "$(T, S)$ = (3, 5)",
+        "\\delta_i": "$(T,)$ = (3,)",
+        "dZ": "$(T, S)$ = (3, 5)",
+        "dQ": "$(T, D_k)$ = (3, 7)",
+        "dK": "$(S, D_k)$ = (5, 7)",
     }
-    assert {k: (v[0][2:-2], v[1]) for k, v in texts.items()} == expected
+    assert texts == expected
 
 
-def test_backward_graph_puts_each_gradient_under_what_it_is_the_gradient_of():
+def test_backward_graph_puts_each_gradient_beside_what_it_is_the_gradient_of():
     rects = dg.tagged_rects(build("backward_graph_diagram"))
-    for x in ("O", "A", "Z", "K"):
-        assert rects[f"d{x}"].y1 < rects[x].y0 and rects[f"d{x}"].cx == pytest.approx(rects[x].cx)
-    assert rects["dV"].cx == pytest.approx(rects["V"].cx) and rects["dQ"].cx == pytest.approx(
-        rects["Q"].cx
-    )
-    # the row term sits between the forward and the backward rows
-    assert rects["dA"].y1 < rects["delta"].y0 and rects["delta"].y1 < rects["A"].y0
+    for x in ("Q", "K", "Z", "A", "O", "V"):  # same row, the gradient on the right
+        assert rects[f"d{x}"].x0 > rects[x].x1 and rects[f"d{x}"].cy == pytest.approx(rects[x].cy)
+    # the forward from the top down (V under O, feeding it from below), one column
+    column = [rects[x] for x in ("Q", "K", "Z", "A", "O", "V")]
+    assert all(a.y0 > b.y1 for a, b in zip(column, column[1:]))
+    assert len({round(r.cx, 9) for r in column}) == 1
+    # the row term sits between dZ and dA, in the backward's column
+    assert rects["dA"].y1 < rects["delta"].y0 and rects["delta"].y1 < rects["dZ"].y0
+    assert rects["delta"].cx == pytest.approx(rects["dZ"].cx)
 
 
 def test_backward_graph_links_follow_the_chain_rule():
@@ -86,13 +86,46 @@ def test_backward_graph_links_follow_the_chain_rule():
     }
 
 
+def test_backward_graph_links_pass_no_other_box():
+    from matplotlib.patches import FancyArrowPatch
+
+    fig = build("backward_graph_diagram", T=3, S=5, Dk=7, Dv=2)
+    rects = dg.tagged_rects(fig)
+    for arrow in fig.axes[0].patches:
+        if not isinstance(arrow, FancyArrowPatch):
+            continue
+        points = arrow.get_path().interpolated(50).vertices  # in inches, the head's too
+        ends = [min(rects, key=lambda k: _distance(rects[k], p)) for p in (points[0], points[-1])]
+        for k, r in rects.items():
+            inside = [p for p in points[3:-3] if r.x0 < p[0] < r.x1 and r.y0 < p[1] < r.y1]
+            assert k in ends or not inside, (ends, k)
+
+
+def _distance(r, p) -> float:
+    dx = max(r.x0 - p[0], 0.0, p[0] - r.x1)
+    dy = max(r.y0 - p[1], 0.0, p[1] - r.y1)
+    return (dx * dx + dy * dy) ** 0.5
+
+
+@pytest.mark.parametrize("sizes", [{"T": 3, "S": 5, "Dk": 4, "Dv": 2}, {}])
+def test_backward_graph_reads_on_a_phone(sizes):
+    assert_reads_on_a_phone(build("backward_graph_diagram", **sizes))
+
+
+@pytest.mark.parametrize(("T", "S"), [(1024, 4096), (99_999, 99_999)])
+def test_backward_graph_puts_long_shapes_on_a_line_of_their_own(T, S):
+    fig = dg.backward_graph_diagram(T=T, S=S, Dk=128, Dv=128)
+    assert f"$Z = QK^\\top/\\sqrt{{D_k}}$\n$(T, S)$\n({T}, {S})" in dg.figure_texts(fig)
+    assert_reads_on_a_phone(fig)
+    assert_legible(fig)  # the two columns apart, however long the shapes
+
+
 def test_backward_graph_changes_with_the_sizes():
     a = dg.figure_texts(build("backward_graph_diagram", T=3, S=5, Dk=7, Dv=2))
     b = dg.figure_texts(build("backward_graph_diagram", T=3, S=6, Dk=7, Dv=2))
     assert any("(3, 6)" in t for t in b) and not any("(3, 6)" in t for t in a)
     assert not any(
-        "(" in t.splitlines()[-1][:2] and t.splitlines()[-1][1:2].isdigit()
-        for t in dg.figure_texts(dg.backward_graph_diagram())
+        any(ch.isdigit() for ch in t) for t in dg.figure_texts(dg.backward_graph_diagram())
     )  # symbols only
 
 
@@ -103,20 +136,13 @@ def test_backward_graph_rejects_some_sizes_without_the_others():
         dg.backward_graph_diagram(T=3, S=5)
 
 
+def test_backward_graph_rejects_a_size_too_long_to_draw():
+    with pytest.raises(
+        ValueError, match="S must be at most 99999 to be drawn legibly; got S=100000"
+    ):
+        dg.backward_graph_diagram(T=3, S=100_000, Dk=7, Dv=2)
+
+
 def test_backward_graph_rejects_a_size_that_is_not_an_integer():
     with pytest.raises(TypeError, match="Dv must be a positive integer; got '2'"):
         dg.backward_graph_diagram(T=3, S=5, Dk=7, Dv="2")
-
-
-def test_backward_graph_columns_fill_the_width_evenly_spaced():
-    rects = dg.tagged_rects(build("backward_graph_diagram", T=3, S=5, Dk=7, Dv=2))
-    columns = {}
-    for rect in rects.values():  # the boxes of a column share its centre
-        columns.setdefault(round(rect.cx, 9), []).append(rect)
-    spans = sorted((min(r.x0 for r in col), max(r.x1 for r in col)) for col in columns.values())
-    assert len(spans) == 4
-    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
-    np.testing.assert_allclose(gaps, [gaps[0]] * 3, rtol=0, atol=1e-9)
-    np.testing.assert_allclose(
-        [spans[0][0], spans[-1][1]], [MARGIN, FULL_WIDTH - MARGIN], rtol=0, atol=1e-9
-    )

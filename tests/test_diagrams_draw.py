@@ -119,6 +119,18 @@ def test_role_legend_has_one_patch_per_role():
     assert_legible(fig)
 
 
+def test_role_legend_writes_at_the_size_asked_for():
+    fig, ax = dg.new_canvas(4.0, 1.0)
+    legend = dg.role_legend(ax, [("query", QUERY), ("key", KEY)], fontsize=10)
+    assert [t.get_fontsize() for t in legend.get_texts()] == [10, 10]
+
+
+def test_role_legend_rejects_text_under_the_minimum_font_size():
+    fig, ax = dg.new_canvas(4.0, 1.0)
+    with pytest.raises(ValueError, match="fontsize must be at least MIN_FONT_PT = 9 pt; got 7"):
+        dg.role_legend(ax, [("query", QUERY)], fontsize=7)
+
+
 def test_role_legend_rejects_no_entries():
     fig, ax = dg.new_canvas(4.0, 1.0)
     with pytest.raises(ValueError, match="entries must hold at least one"):

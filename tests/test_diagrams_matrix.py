@@ -35,6 +35,47 @@ def test_draw_matrix_draws_a_vector_as_one_row_with_its_values():
     assert_legible(fig)
 
 
+def test_draw_matrix_writes_its_labels_and_values_at_the_sizes_asked_for():
+    fig, ax = dg.new_canvas(3.0, 2.0)
+    dg.draw_matrix(
+        ax, 0.5, 0.8, (2, 3), unit=0.3, color=KEY, name="$W_K$", dims=("E", "D_k"),
+        values=[[1.0, 0.0, -2.0], [0.0, 3.0, 0.0]], decimals=0,
+        name_pt=12, label_pt=11, value_pt=10,
+    )  # fmt: skip
+    sizes = {t.get_text(): t.get_fontsize() for t in ax.texts}
+    # whole numbers, row by row, then the name and the two shapes
+    minus = "\N{MINUS SIGN}"
+    assert [t.get_text() for t in ax.texts][:6] == ["1", "0", f"{minus}2", "0", "3", "0"]
+    assert sizes == {"1": 10, "0": 10, f"{minus}2": 10, "3": 10, "$W_K$": 12,
+                     "$(E, D_k)$": 11, "(2, 3)": 11}  # fmt: skip
+    assert_legible(fig)
+
+
+def test_draw_matrix_leaves_out_values_wider_than_their_cells():
+    # at 10 pt, "-2.00" is about 0.43 in wide: it does not fit cells 0.3 in wide
+    fig, ax = dg.new_canvas(3.0, 2.0)
+    dg.draw_matrix(ax, 0.5, 0.5, (1, 3), unit=0.3, color=KEY, values=[[1, 0, -2]], value_pt=10)
+    assert dg.figure_texts(fig) == ["(1, 3)"]
+
+
+def test_draw_matrix_rejects_a_label_under_the_minimum_font_size():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(ValueError, match="fontsize must be at least MIN_FONT_PT = 9 pt; got 8"):
+        dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, label_pt=8)
+
+
+def test_draw_matrix_rejects_decimals_that_are_not_an_integer():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(TypeError, match="decimals must be None or an integer; got 1.5"):
+        dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, decimals=1.5)
+
+
+def test_draw_matrix_rejects_decimals_out_of_range():
+    fig, ax = dg.new_canvas(2.0, 2.0)
+    with pytest.raises(ValueError, match=r"decimals must lie in \[0, 6\]; got -1"):
+        dg.draw_matrix(ax, 0, 0, (2, 3), unit=0.1, color=KEY, decimals=-1)
+
+
 def test_draw_matrix_greys_the_masked_cells():
     fig, ax = dg.new_canvas(2.0, 2.0)
     masked = np.array([[False, True, True], [False, False, True]])
@@ -100,8 +141,10 @@ def test_draw_matrix_rejects_a_size_that_is_not_an_integer():
         {"values": np.zeros((3, 2))},
         {"masked": np.eye(2, dtype=bool)},
         {"name": "$K$", "name_at": "inside"},
+        {"name_pt": 7},
+        {"decimals": 7},
     ],
-    ids=["values", "masked", "label side"],
+    ids=["values", "masked", "label side", "font size", "decimals"],
 )
 def test_draw_matrix_checks_its_arguments_before_drawing(bad):
     fig, ax = dg.new_canvas(2.0, 2.0)

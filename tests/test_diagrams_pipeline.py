@@ -28,11 +28,27 @@ def test_pipeline_labels_every_shape_it_was_given():
         "$(D_k, S)$",
         "$(S, D_v)$",
         "$\\div\\sqrt{D_k}$",
-        "causal\nmask",
+        "causal mask",
         "softmax",
         "$Z$",
     ):
         assert label in texts, label
+
+
+def test_pipeline_stacks_two_hand_multiplications():
+    rects = dg.tagged_rects(build("attention_pipeline_diagram", 3, 5, 7, 2))
+    Q, Kt, Z, A, V, O = (rects[t] for t in ("Q", "K^T", "scores", "weights", "V", "O"))
+    # Q K^T: K^T stands on the scores, Q on their left, row for row
+    assert Kt.y0 > Z.y1 and (Kt.x0, Kt.x1) == pytest.approx((Z.x0, Z.x1))
+    assert Q.x1 < Z.x0 and (Q.y0, Q.y1) == pytest.approx((Z.y0, Z.y1))
+    # A V: V stands on O, A on its left, row for row; A is under the scores
+    assert V.y0 > O.y1 and (V.x0, V.x1) == pytest.approx((O.x0, O.x1))
+    assert A.x1 < O.x0 and (A.y0, A.y1) == pytest.approx((O.y0, O.y1))
+    assert A.y1 < Z.y0 and A.cx == pytest.approx(Z.cx)
+    # the steps, in order from the scores down to the weights, on the scores' centre line
+    chain = [Z, *(rects[f"step {k}"] for k in range(3)), A]
+    assert all(upper.y0 > lower.y1 for upper, lower in zip(chain, chain[1:]))
+    assert [r.cx for r in chain] == pytest.approx([Z.cx] * 5)
 
 
 def test_pipeline_grids_keep_the_proportions_of_the_sizes():
@@ -64,7 +80,7 @@ def test_pipeline_greys_the_causal_cells_of_the_weights_only_with_a_mask():
         S - 1 - i for i in range(T)
     )
     fig = build("attention_pipeline_diagram", T, S, 7, 2, mask=False)
-    assert grey_cells(fig) == 0 and "causal\nmask" not in dg.figure_texts(fig)
+    assert grey_cells(fig) == 0 and "causal mask" not in dg.figure_texts(fig)
 
 
 def test_pipeline_changes_when_a_size_changes():
@@ -78,9 +94,13 @@ def test_pipeline_changes_when_a_size_changes():
 def test_pipeline_compact_is_smaller_and_still_labelled():
     full = build("attention_pipeline_diagram", 3, 5, 7, 2)
     small = build("attention_pipeline_diagram", 3, 5, 7, 2, compact=True)
-    assert small.get_size_inches()[0] < 0.75 * full.get_size_inches()[0]
+    assert small.get_size_inches()[1] < 0.85 * full.get_size_inches()[1]
+    assert small.get_size_inches()[0] <= full.get_size_inches()[0]
     assert shapes(small) == shapes(full)
-    assert "$\\div\\sqrt{D_k}$\ncausal mask\nsoftmax" in dg.figure_texts(small)
+    texts = dg.figure_texts(small)
+    # symbols without words; the steps in one box, so no arrow carries Z
+    assert "$Q$" in texts and "queries $Q$" not in texts and "$Z$" not in texts
+    assert "$\\div\\sqrt{D_k}$\ncausal mask\nsoftmax" in texts
 
 
 def test_pipeline_rejects_a_size_that_is_not_an_integer():

@@ -9,7 +9,15 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from sdpa_book import diagrams as dg  # noqa: E402
-from sdpa_book.diagrams.primitives import _clear_gap, _pack, _packed_length  # noqa: E402
+from sdpa_book.diagrams.primitives import (  # noqa: E402
+    _clear_gap,
+    _fmt_value,
+    _has_scripts,
+    _integer_valued,
+    _pack,
+    _packed_length,
+    _phone_pt,
+)
 
 
 def test_text_size_grows_with_the_text_and_the_lines():
@@ -73,3 +81,27 @@ def test_clear_gap_keeps_labels_apart_or_the_least_gap():
     assert _clear_gap(1.0, 0.5, 2.0, 1.0, 0.1, 0.07) == pytest.approx(0.85, abs=1e-12)
     # labels narrower than their grids: the least gap
     assert _clear_gap(1.0, 0.5, 0.25, 0.25, 0.1, 0.07) == 0.07
+
+
+def test_has_scripts_finds_sub_and_superscripts_in_maths_only():
+    assert _has_scripts("$W_Q$") and _has_scripts("scores $QK^\\top$")
+    assert not _has_scripts("$j \\leq i$") and not _has_scripts("padding_mask")  # not maths
+    assert not _has_scripts("$5") and not _has_scripts("")
+
+
+def test_phone_pt_raises_maths_with_scripts_to_eleven_points():
+    # 11 pt scripts are drawn at 0.7 * 11 = 7.7 pt, 10.3 CSS px at full size
+    assert _phone_pt("softmax") == 10 and _phone_pt("$(T, D_k)$") == 11
+    assert _phone_pt("$W_Q$", 12) == 12 and _phone_pt("$Z$", 9) == 9
+
+
+def test_fmt_value_writes_the_decimals_asked_for_with_a_true_minus():
+    minus = "\N{MINUS SIGN}"
+    assert [_fmt_value(v) for v in (0.254, -1.5, 12.0)] == ["0.25", f"{minus}1.50", "12.0"]
+    assert [_fmt_value(v, 0) for v in (2.0, -1.0, -0.2)] == ["2", f"{minus}1", "0"]
+    assert _fmt_value(3.14159, 3) == "3.142"
+
+
+def test_integer_valued_needs_every_entry_whole():
+    assert _integer_valued(np.array([0.0, 2.0, -3.0]), np.eye(2))
+    assert not _integer_valued(np.eye(2), np.array([1.0, 0.5]))

@@ -5,7 +5,9 @@
   ``Dk != Dv``, batch and head broadcasting (keys and values shared across the batch
   included), grouped-query and multi-query heads, bool and float masks (``finfo.min``, -1e9,
   -inf and 0 in per-row, per-tile and padding patterns), both causal alignments, sliding
-  windows, float16/32/64 and tile sizes of 1, odd sizes and sizes larger than ``S``;
+  windows, float16/32/64 and tile sizes of 1, odd sizes and sizes larger than ``S``; and
+  the same with attention sinks of every broadcast shape (``-inf`` entries included), their
+  gradient too;
 * the tiled path called from a thread pool against the same call from the main thread (bit for
   bit), with values near each dtype's largest and smallest normal numbers;
 * linear attention against its quadratic form, written out with an explicit mask;
@@ -235,6 +237,51 @@ def test_tiled_equals_reference_forward_and_backward(p):
     for g, w, what in zip(given_tiled, grads_ref, ("d_query", "d_key", "d_value")):
         scale = float(np.abs(w).max()) if w.size else 0.0
         assert_close(g, w, backward_tol(p["dtype"], 4 * scale), what + " from out, lse")
+
+
+@st.composite
+def sinks_for(draw, rows_shape, dtype):
+    """Sinks that broadcast to ``rows_shape`` ``(..., H, T)``: each trailing axis kept or 1,
+    leading axes dropped; normal logits of a drawn size, some entries ``-inf``."""
+    drop = draw(st.integers(0, len(rows_shape)))
+    shape = tuple(n if draw(st.booleans()) else 1 for n in rows_shape[drop:])
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    size = draw(st.sampled_from([0.3, 3.0, 30.0]))
+    work = np.float32 if dtype == np.float16 else dtype
+    sinks = np.asarray(size * rng.standard_normal(shape), dtype=work)  # 0-d stays an array
+    if draw(st.booleans()):
+        sinks[rng.random(shape) < 0.3] = -np.inf
+    return sinks
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(p=problems(), data=st.data())
+def test_tiled_equals_reference_with_sinks_forward_and_backward(p, data):
+    tol = FORWARD_TOL[p["dtype"]]
+    args = (p["q"], p["k"], p["v"], p["mask"])
+    plain = attention(*args, implementation="reference", **options(p))
+    sinks = data.draw(sinks_for(plain.shape[:-1], p["dtype"]))
+    want = attention(*args, sinks=sinks, implementation="reference", return_lse=True, **options(p))
+    problem = prepare_attention(*args, sinks=sinks, **options(p))
+    out, lse = attention_tiled(problem, block_q=p["block_q"], block_k=p["block_k"], exp=p["exp"])
+    got = problem.finish(out, lse=lse)
+    for g, w, what in zip(got, want, ("out", "lse")):
+        assert not np.isnan(g).any(), what
+        assert_close(g, w, tol, what)
+
+    d_out = np.random.default_rng(p["seed"] + 3).standard_normal(plain.shape).astype(p["dtype"])
+    kwargs = dict(options(p), sinks=sinks, block_q=p["block_q"], block_k=p["block_k"])
+    grads_tiled = attention_backward(d_out, *args, implementation="tiled", **kwargs)
+    grads_ref = attention_backward(d_out, *args, implementation="reference", **kwargs)
+    given_tiled = attention_backward(
+        d_out, *args, out=got[0], lse=got[1], implementation="tiled", **kwargs
+    )
+    names = ("d_query", "d_key", "d_value", "d_sinks")
+    for g, f, w, what in zip(grads_tiled, given_tiled, grads_ref, names):
+        assert g.shape == np.shape(w) and g.dtype == w.dtype, what
+        scale = float(np.abs(w).max()) if w.size else 0.0
+        assert_close(g, w, backward_tol(p["dtype"], scale), what)
+        assert_close(f, w, backward_tol(p["dtype"], 4 * scale), what + " from out, lse")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -438,3 +438,132 @@ def test_capacity_of_the_algorithms(algorithm, rng):
 def test_given_block_sizes_are_checked(algorithm, name, rng):
     with pytest.raises(ValueError, match=f"{name} must be a positive integer; got 0"):
         algorithm(*qkv(rng, 4, 5, 3, 2), capacity=100, **{name: 0})
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal: the tiles above the diagonal are skipped, with what they would have moved
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flash_attention2_causal_by_hand(rng):
+    # N = 8, d = 2, M = 64: Br = 4, Bc = 2, as above. Query block 0 (queries 0-3) loads the key
+    # blocks starting at 0 and 2 (keys 0-3), query block 1 all four (keys 0-7):
+    # loads 16 (Q) + 4 * (4 + 8) = 64 instead of 80; stores unchanged, 24.
+    q, k, v = qkv(rng, 8, 8, 2, 2)
+    count = flash_attention2_io(q, k, v, capacity=64, is_causal=True)
+    assert (count.block_q, count.block_k) == (4, 2)
+    assert (count.loads, count.stores) == (16 + 4 * (4 + 8), 24) == (64, 24)
+    assert count.peak == 48
+
+
+def test_flash_attention_causal_with_two_key_blocks_by_hand(rng):
+    # N = 8, d = 2, M = 32: Bc = 4, Br = 1, as above. Key block 0 (keys 0-3): K, V in (16), all
+    # eight rows of Q, O, l, m in (8 * 6 = 48) and O, l, m out (8 * 4 = 32). Key block 1
+    # (keys 4-7): K, V in (16), rows 4-7 only: 4 * 6 = 24 in, 4 * 4 = 16 out.
+    # With the initial 32 stores: loads 16 + 48 + 16 + 24 = 104, stores 32 + 32 + 16 = 80.
+    q, k, v = qkv(rng, 8, 8, 2, 2)
+    count = flash_attention_io(q, k, v, capacity=32, is_causal=True)
+    assert (count.block_q, count.block_k) == (1, 4)
+    assert (count.loads, count.stores) == (104, 80)
+    assert count.peak <= 32
+
+
+def test_causal_with_more_keys_than_queries_by_hand(rng):
+    # T = 4, S = 8, Dk = Dv = 1, Br = 2, Bc = 3 (key blocks 0-2, 3-5, 6-7).
+    # FlashAttention-2: query block 0 (last query 1) loads keys 0-2, block 1 (last query 3)
+    # keys 0-5: loads 4 + 2 * (3 + 6) = 22, stores 4 * 2 = 8 (without the mask 4 + 2*2*8 = 36).
+    # FlashAttention: keys 6-7 come after every query and are never loaded. Keys 0-2: K, V in
+    # (6), all 4 rows in (4 * 4 = 16) and out (4 * 3 = 12). Keys 3-5: K, V in (6), the query
+    # block holding query 3, rows 2-3: in 2 * 4 = 8, out 2 * 3 = 6. With the initial 12 stores:
+    # loads 6 + 16 + 6 + 8 = 36, stores 12 + 12 + 6 = 30.
+    q, k, v = qkv(rng, 4, 8, 1, 1)
+    count = flash_attention2_io(q, k, v, capacity=100, block_q=2, block_k=3, is_causal=True)
+    assert (count.loads, count.stores) == (22, 8)
+    count = flash_attention_io(q, k, v, capacity=100, block_q=2, block_k=3, is_causal=True)
+    assert (count.loads, count.stores) == (36, 30)
+
+
+def test_causal_with_more_queries_than_keys_by_hand(rng):
+    # T = 8, S = 4, Dk = Dv = 1, Br = 2, Bc = 3 (key blocks 0-2 and 3). FlashAttention-2: query
+    # block 0 (last query 1) loads keys 0-2; blocks 1, 2, 3 (last queries 3, 5, 7) all four
+    # keys: loads 8 + 2 * (3 + 4 + 4 + 4) = 38, stores 8 * 2 = 16.
+    # FlashAttention: keys 0-2 meet all 8 rows (in 8 * 4, out 8 * 3); key 3 the rows from the
+    # block holding query 3, rows 2-7 (in 6 * 4, out 6 * 3); K, V in 3 * 2 + 1 * 2.
+    # loads 6 + 32 + 2 + 24 = 64, stores 8 * 3 + 24 + 18 = 66.
+    q, k, v = qkv(rng, 8, 4, 1, 1)
+    count = flash_attention2_io(q, k, v, capacity=100, block_q=2, block_k=3, is_causal=True)
+    assert (count.loads, count.stores) == (38, 16)
+    count = flash_attention_io(q, k, v, capacity=100, block_q=2, block_k=3, is_causal=True)
+    assert (count.loads, count.stores) == (64, 66)
+
+
+def causal_flash_closed_form(T, S, Dk, Dv, Br, Bc):
+    """Algorithm 1, causal: key block from s meets the rows from the query block holding s."""
+    loads, stores = 0, T * (Dv + 2)
+    for s in range(0, min(S, T), Bc):
+        rows = T - s // Br * Br
+        loads += min(Bc, S - s) * (Dk + Dv) + rows * (Dk + Dv + 2)
+        stores += rows * (Dv + 2)
+    return loads, stores
+
+
+def causal_flash2_closed_form(T, S, Dk, Dv, Br, Bc):
+    """FlashAttention-2, causal: query block ending at t loads the first ceil(t / Bc) blocks."""
+    keys = sum(min(S, math.ceil(min(T, t + Br) / Bc) * Bc) for t in range(0, T, Br))
+    return T * Dk + keys * (Dk + Dv), T * (Dv + 1)
+
+
+@pytest.mark.parametrize("T, S, Dk, Dv, M", SHAPES)
+def test_causal_counts_equal_the_closed_forms(T, S, Dk, Dv, M, rng):
+    q, k, v = qkv(rng, T, S, Dk, Dv)
+    count = flash_attention_io(q, k, v, capacity=M, is_causal=True)
+    want = causal_flash_closed_form(T, S, Dk, Dv, count.block_q, count.block_k)
+    assert (count.loads, count.stores) == want
+    count = flash_attention2_io(q, k, v, capacity=M, is_causal=True)
+    want = causal_flash2_closed_form(T, S, Dk, Dv, count.block_q, count.block_k)
+    assert (count.loads, count.stores) == want
+
+
+@pytest.mark.parametrize("block_q, block_k", [(1, 1), (3, 5), (7, 2), (20, 20)])
+@pytest.mark.parametrize("T, S", [(13, 11), (11, 13), (12, 12)])
+def test_causal_closed_forms_hold_for_chosen_blocks(T, S, block_q, block_k, rng):
+    q, k, v = qkv(rng, T, S, 3, 5)
+    blocks = dict(capacity=2000, block_q=block_q, block_k=block_k, is_causal=True)
+    count = flash_attention_io(q, k, v, **blocks)
+    assert (count.loads, count.stores) == causal_flash_closed_form(T, S, 3, 5, block_q, block_k)
+    count = flash_attention2_io(q, k, v, **blocks)
+    assert (count.loads, count.stores) == causal_flash2_closed_form(T, S, 3, 5, block_q, block_k)
+
+
+@pytest.mark.parametrize("algorithm", [flash_attention_io, flash_attention2_io])
+@pytest.mark.parametrize("T, S, Dk, Dv, M", SHAPES)
+def test_causal_output_is_causal_attention(algorithm, T, S, Dk, Dv, M, rng):
+    q, k, v = qkv(rng, T, S, Dk, Dv)
+    count = algorithm(q, k, v, capacity=M, is_causal=True)
+    want = scaled_dot_product_attention(q, k, v, is_causal=True, implementation="reference")
+    np.testing.assert_allclose(count.out, want, rtol=1e-12, atol=1e-13)
+    assert count.peak <= M
+
+
+@pytest.mark.parametrize("algorithm", [flash_attention_io, flash_attention2_io])
+def test_causal_traffic_tends_to_half(algorithm, rng):
+    """T = S = N, d = 4, M = 256: the causal share of the words falls towards 1/2 as N grows,
+    its excess over 1/2 halving with each doubling (the diagonal tiles and the words that move
+    once are linear in N, the skipped tiles quadratic)."""
+    ratios = []
+    for N in (64, 128, 256, 512):
+        q, k, v = qkv(rng, N, N, 4, 4)
+        full = algorithm(q, k, v, capacity=256).words
+        ratios.append(algorithm(q, k, v, capacity=256, is_causal=True).words / full)
+    assert all(0.5 < r for r in ratios) and ratios == sorted(ratios, reverse=True)
+    assert ratios[-1] < 0.54
+    excess = [r - 0.5 for r in ratios]
+    for before, after in zip(excess, excess[1:]):
+        assert 0.4 < after / before < 0.65
+
+
+@pytest.mark.parametrize("algorithm", [flash_attention_io, flash_attention2_io])
+@pytest.mark.parametrize("bad", [1, None, "yes"])
+def test_is_causal_must_be_a_bool(algorithm, bad, rng):
+    with pytest.raises(TypeError, match=f"is_causal must be a bool; got {bad!r}"):
+        algorithm(*qkv(rng, 4, 4, 2, 2), capacity=64, is_causal=bad)

@@ -23,12 +23,12 @@ PACKAGE = ROOT / "src" / "sdpa"
 
 # In import order; a module may import from its own layer and from earlier layers only.
 LAYERS = [
-    {"_checks", "softmax_stable", "masks", "examples", "plotting"},
+    {"_checks", "softmax_stable", "masks", "block_mask", "examples", "plotting"},
     {"problem"},
     {"threads", "tuning", "tiled", "cost_model", "blocked", "iomodel"},
-    {"attention"},
+    {"attention", "flex"},
     {"backward", "softmax_grad", "finite_diff"},
-    {"rope", "alibi", "kvcache", "linear"},
+    {"rope", "alibi", "kvcache", "paged_kvcache", "linear", "merge"},
     {"multihead", "positional"},
     {"nn"},  # a subpackage: the small language model, built on the public API
 ]

@@ -31,7 +31,9 @@ def package_fingerprint(package_dirs: list[Path], distributions: list[str]) -> s
     """Hash of everything the executed pages depend on besides their own code."""
     digest = hashlib.sha256()
     for package_dir in package_dirs:
-        for path in sorted(package_dir.rglob("*.py")):
+        # A folder counts by its Python files; a single file (a committed result) by itself.
+        paths = [package_dir] if package_dir.is_file() else sorted(package_dir.rglob("*.py"))
+        for path in paths:
             digest.update(path.relative_to(package_dir.parent).as_posix().encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
     versions = [f"python {sys.version_info[0]}.{sys.version_info[1]}"]
@@ -73,7 +75,8 @@ def key_execution_cache(app, config) -> None:
 
 def setup(app):
     app.setup_extension("myst_nb")  # nb_execution_cache_path is myst-nb's
-    # Folders relative to the configuration directory, and distributions whose versions count.
+    # Folders (their .py files) or single files relative to the configuration directory, and
+    # distributions whose versions count.
     app.add_config_value("sdpa_cache_packages", ["src/sdpa"], "env", types=frozenset({list}))
     app.add_config_value("sdpa_cache_distributions", [], "env", types=frozenset({list}))
     # A changed value marks the configuration as changed, so Sphinx re-reads every page.

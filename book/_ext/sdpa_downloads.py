@@ -1,12 +1,15 @@
 """The package in the site: the ``sdpa`` wheel and source archive, requirements, every notebook.
 
 ``make html`` builds the wheel and the source archive into ``<builddir>/dist`` (``sdpa_dist_dir``)
-before Sphinx runs. Once the site is built, this extension copies them into the site's
-``downloads/`` with a ``requirements.txt`` pinned to the versions the book was built with, and one
-archive holding every reader's notebook (written by ``sdpa_notebooks``), the wheel and the
-requirements. A wheel that lacks a file of ``src/`` or holds an older one is refused with a
-warning (the build then fails). The download menu of every page links the archive and the page
-"Run it yourself".
+before Sphinx runs. The wheel holds the packages of ``src/``; the source archive (the sdist, see
+``MANIFEST.in``) is the whole project, from which ``make html`` and ``make test`` work. Once the
+site is built, this extension copies them into the site's ``downloads/`` with a
+``requirements.txt`` pinned to the versions the book was built with, and one archive holding
+every reader's notebook (written by ``sdpa_notebooks``), the wheel and the requirements. A wheel
+that lacks a file of ``src/`` or holds an older one is refused with a warning (the build then
+fails), and so is a source archive that lacks a file of ``SOURCE_TREE``; the Makefile rebuilds
+both when a file that goes into them changes. The download menu of every page links the archive
+and the page "Run it yourself".
 
 A project without a version in ``pyproject.toml`` (the build tests' tiny books) has no downloads.
 """
@@ -14,6 +17,7 @@ A project without a version in ``pyproject.toml`` (the build tests' tiny books) 
 from __future__ import annotations
 
 import shutil
+import tarfile
 import tomllib
 import zipfile
 from importlib import metadata
@@ -28,6 +32,20 @@ DOWNLOADS = "downloads"  # the site's folder for the wheel, sdist, requirements 
 # What a reader's environment needs besides the wheel's own dependencies.
 READER_PACKAGES = ["numpy", "matplotlib", "ipykernel", "nbclient"]
 ZIP_DATE = (2026, 1, 1, 0, 0, 0)  # fixed, so that an unchanged book gives the same archive
+# Files the source archive needs so that `make html` and `make test` run from it (a sample:
+# tests/test_source_archive.py checks the whole list against the files git tracks).
+SOURCE_TREE = [
+    "Makefile",
+    "conf.py",
+    "pyproject.toml",
+    "constraints.txt",
+    "package.json",
+    "package-lock.json",
+    "book/index.md",
+    "book/_ext/sdpa_downloads.py",
+    "src/sdpa/__init__.py",
+    "tests/conftest.py",
+]
 
 
 def _package_version(app) -> str | None:
@@ -93,6 +111,27 @@ def stale_files(wheel: Path, src: Path) -> list[str]:
     return stale
 
 
+def missing_sources(sdist: Path) -> list[str]:
+    """The files of ``SOURCE_TREE`` that the source archive lacks."""
+    with tarfile.open(sdist) as archive:
+        inside = {member.name.partition("/")[2] for member in archive.getmembers()}
+    return [name for name in SOURCE_TREE if name not in inside]
+
+
+def dist_problem(wheel: Path, sdist: Path, root: Path) -> str | None:
+    """What is wrong with the wheel and source archive of the project in ``root``, if anything."""
+    missing = [path.name for path in (wheel, sdist) if not path.exists()]
+    if missing:
+        return f"no {' and no '.join(missing)}"
+    stale = stale_files(wheel, root / "src")
+    if stale:
+        return f"a wheel with an older {', '.join(stale[:3])}"
+    lacking = missing_sources(sdist)
+    if lacking:
+        return f"a source archive without {', '.join(lacking[:3])} (see MANIFEST.in)"
+    return None
+
+
 def _zip(path: Path, files: dict[str, bytes]) -> None:
     partial = path.with_suffix(".partial")
     with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as archive:
@@ -113,15 +152,12 @@ def write_downloads(app, exception) -> None:
         return
     dist = Path(app.config.sdpa_dist_dir or Path(app.outdir).parent / "dist")
     wheel, sdist = dist / f"sdpa-{version}-py3-none-any.whl", dist / f"sdpa-{version}.tar.gz"
-    missing = [path.name for path in (wheel, sdist) if not path.exists()]
-    stale = [] if missing else stale_files(wheel, Path(app.confdir) / "src")
-    if missing or stale:
-        problem = (
-            f"no {' and no '.join(missing)}" if missing else f"an older {', '.join(stale[:3])}"
-        )
+    problem = dist_problem(wheel, sdist, Path(app.confdir))
+    if problem:
         logger.warning(
-            "the site's downloads need the sdpa wheel and sdist of src/, but %s has %s: run "
-            "`make html`, which builds them", dist, problem, type="sdpa", subtype="dist",
+            "the site's downloads need the sdpa wheel and source archive of this project, but "
+            "%s has %s: run `make html`, which builds them", dist, problem, type="sdpa",
+            subtype="dist",
         )  # fmt: skip
         return
     downloads = Path(app.outdir) / DOWNLOADS

@@ -18,12 +18,16 @@ from . import nn  # noqa: F401
 from .alibi import alibi_bias, alibi_slopes
 from .attention import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
+from .block_mask import BlockMask, create_block_mask
 from .blocked import blocked_attention, blocked_attention_backward
 from .finite_diff import gradcheck, numerical_gradient
+from .flex import flex_attention
 from .kvcache import KVCache
 from .linear import elu_feature_map, linear_attention
 from .masks import causal_mask, padding_mask, sliding_window_mask
+from .merge import merge_attention_states
 from .multihead import MultiHeadAttention, merge_heads, split_heads
+from .paged_kvcache import PagedKVCache
 from .positional import sinusoidal_positional_encoding
 from .rope import apply_rotary_embedding, rotary_cos_sin
 from .softmax_grad import softmax_jacobian, softmax_vjp
@@ -33,19 +37,24 @@ from .tiled import tile_map
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockMask",
     "KVCache",
     "MultiHeadAttention",
+    "PagedKVCache",
     "alibi_bias",
     "alibi_slopes",
     "apply_rotary_embedding",
     "blocked_attention",
     "blocked_attention_backward",
     "causal_mask",
+    "create_block_mask",
     "elu_feature_map",
+    "flex_attention",
     "gradcheck",
     "linear_attention",
     "log_softmax",
     "logsumexp",
+    "merge_attention_states",
     "merge_heads",
     "numerical_gradient",
     "padding_mask",

@@ -26,7 +26,60 @@ from .problem import prepare_attention as _prepare_attention  # public in sdpa.p
 from .softmax_stable import softmax_and_lse
 from .tiled import attention_tiled
 
-__all__ = ["attention_reference", "scaled_dot_product_attention"]
+__all__ = ["attention_reference", "scaled_dot_product_attention", "softmax_with_sinks"]
+
+
+def softmax_with_sinks(scores: np.ndarray, sinks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r"""The softmax of each row of ``scores`` with one more logit, the sink, that has no value.
+
+    Parameters
+    ----------
+    scores : (..., T, S) np.ndarray
+        Scaled, masked scores: finite, or ``-inf`` where a key is disallowed.
+    sinks : np.ndarray
+        The sinks' logits ``s_i``, finite or ``-inf``, broadcastable to ``(..., T)``.
+
+    Returns
+    -------
+    weights : (..., T, S) np.ndarray
+        ``exp(z_ij) / (sum_j exp(z_ij) + exp(s_i))``: each row sums to less than one, the
+        sink taking the rest.
+    lse : (..., T, 1) np.ndarray
+        ``log(sum_j exp(z_ij) + exp(s_i))``: ``s_i`` in a row with no allowed key, ``-inf``
+        where the sink is ``-inf`` too.
+
+    Notes
+    -----
+    The sink takes part in the row maximum, ``m_i = max(max_j z_ij, s_i)``, so no exponent is
+    positive. With ``s_i = -inf`` each operation is the one of the plain softmax
+    (``softmax_and_lse`` of ``sdpa.softmax_stable``) and gives its bits: ``exp(-inf) = 0``
+    is added to the row sum.
+
+    Examples
+    --------
+    Two equal scores and a sink at 0, the "softmax + 1": each key weighs 1/3.
+
+    >>> import numpy as np
+    >>> from sdpa.attention import softmax_with_sinks
+    >>> weights, lse = softmax_with_sinks(np.zeros((1, 2)), np.zeros(1))
+    >>> np.round(weights, 4), np.round(lse, 4)  # lse = log(1 + 1 + 1)
+    (array([[0.3333, 0.3333]]), array([[1.0986]]))
+    """
+    rows = scores.shape[:-1]
+    s = np.broadcast_to(sinks, rows)  # (..., T)
+    row_max = np.max(scores, axis=-1) if scores.shape[-1] else np.full(rows, -np.inf, s.dtype)
+    m = np.maximum(row_max, s)  # (..., T): the sink joins the maximum
+    ordinary = m > -np.inf  # False: no allowed key and no sink
+    shift = np.where(ordinary, m, 0).astype(scores.dtype, copy=False)
+    with np.errstate(over="ignore"):  # a difference below -max is -inf: exp gives 0
+        weights = scores - shift[..., None]  # (..., T, S) - (..., T, 1)
+        sink_term = s - shift
+    np.exp(weights, out=weights)
+    total = np.sum(weights, axis=-1) + np.exp(sink_term)  # (..., T): >= 1 in ordinary rows
+    total = np.where(ordinary, total, 1).astype(scores.dtype, copy=False)
+    weights /= total[..., None]
+    lse = np.where(ordinary, m + np.log(total), -np.inf).astype(scores.dtype, copy=False)
+    return weights, lse[..., None]
 
 
 def attention_reference(
@@ -94,7 +147,10 @@ def attention_reference(
         q_scaled = problem.query * problem.work_dtype.type(problem.scale)  # (..., T, Dk), once
     scores = masked_scores(problem, q_scaled, 0, problem.T, 0, problem.S)  # (..., T, S)
     scores = np.broadcast_to(scores, problem.scores_shape)
-    weights, lse = softmax_and_lse(scores, axis=-1)  # (..., T, S), (..., T, 1)
+    if problem.sinks is None:
+        weights, lse = softmax_and_lse(scores, axis=-1)  # (..., T, S), (..., T, 1)
+    else:
+        weights, lse = softmax_with_sinks(scores, problem.sinks)
     used = weights
     if dropout_p > 0.0:
         keep = rng.random(weights.shape) >= dropout_p
@@ -119,6 +175,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     causal_alignment: str = "top_left",
     window: tuple[int | None, int | None] | None = None,
+    sinks: ArrayLike | None = None,
     rng: np.random.Generator | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
@@ -128,7 +185,7 @@ def scaled_dot_product_attention(
 
     The signature and layout follow ``torch.nn.functional.scaled_dot_product_attention``; the
     keyword-only options after ``*`` add what PyTorch lacks (bottom-right causal alignment,
-    sliding windows, the weights and the log-sum-exp).
+    sliding windows, attention sinks, the weights and the log-sum-exp).
 
     Parameters
     ----------
@@ -162,6 +219,11 @@ def scaled_dot_product_attention(
     window : (left, right), optional
         Sliding window: query ``i`` may attend keys ``i - left <= j <= i + right`` (shifted
         by ``S - T`` under bottom-right alignment). Either side may be None (unbounded).
+    sinks : (..., Hq, T) array_like, optional
+        Attention sinks: one extra logit ``s_i`` per query row in the softmax's denominator,
+        with no value (see Notes), in the units of the scaled scores. Broadcastable to the
+        weights' shape without the key axis: a scalar for every row, ``(T,)`` per query, or a
+        per-head logit as ``sinks[:, None]`` of shape ``(Hq, 1)``. ``-inf`` is no sink.
     rng : numpy.random.Generator, optional
         Source of the dropout mask; required when ``dropout_p > 0``.
     return_weights : bool, default False
@@ -185,21 +247,26 @@ def scaled_dot_product_attention(
     out : (..., Hq, T, Dv) np.ndarray
         Alone, or first in a tuple ``(out, weights, lse)`` keeping only what was requested.
     weights : (..., Hq, T, S) np.ndarray
-        Each row is non-negative and sums to one (zero for fully masked rows).
+        Each row is non-negative and sums to one (zero for fully masked rows); with
+        ``sinks``, to less than one.
     lse : (..., Hq, T) np.ndarray
-        ``log(sum(exp(scores)))`` per query; ``-inf`` for fully masked rows. float32 for
-        float16 inputs (as FlashAttention does), otherwise the dtype of ``out``.
+        ``log(sum(exp(scores)))`` per query; ``-inf`` for fully masked rows. With ``sinks``
+        the sink's term is included, ``log(sum(exp(scores)) + exp(s_i))``, and a fully masked
+        row has ``lse = s_i``. float32 for float16 inputs (as FlashAttention does), otherwise
+        the dtype of ``out``.
 
     Raises
     ------
     TypeError
         For complex, object or masked-array (``numpy.ma``) inputs, an integer ``attn_mask``,
+        a bool ``sinks``,
         a flag that is not a bool, an ``rng`` that is not a ``numpy.random.Generator``, or a
         missing ``rng`` with dropout.
     ValueError
         For inputs with fewer than 2 dimensions, mismatched ``Dk`` or ``S``, batch or mask
         shapes that do not broadcast, head counts that do not divide, a bad ``window``,
-        ``causal_alignment``, ``dropout_p`` or ``implementation``, for
+        ``causal_alignment``, ``dropout_p`` or ``implementation``, ``sinks`` that do not
+        broadcast to ``(..., Hq, T)`` or hold NaN or ``+inf``, for
         ``implementation="tiled"`` together with ``return_weights`` or dropout, for a float
         mask holding NaN, ``+inf`` or a value beyond the working dtype's range, and for scores
         that overflow the working dtype (see Notes).
@@ -211,8 +278,8 @@ def scaled_dot_product_attention(
     -----
     For one query row :math:`q_i` the result is
 
-    .. math:: o_i = \sum_j \frac{e^{s_{ij}}}{\sum_{j'} e^{s_{ij'}}} v_j,
-              \qquad s_{ij} = \text{scale}\; q_i \cdot k_j + b_{ij}.
+    .. math:: o_i = \sum_j \frac{e^{z_{ij}}}{\sum_{j'} e^{z_{ij'}}} v_j,
+              \qquad z_{ij} = \text{scale}\; q_i \cdot k_j + b_{ij}.
 
     **Masks.** Boolean, causal and window masks *replace* disallowed scores by ``-inf``; float
     masks are *added*. A row in which every key is disallowed (including ``S = 0``) returns
@@ -220,6 +287,22 @@ def scaled_dot_product_attention(
     does since 2.5. A large finite bias (``np.finfo(dtype).min``, the Hugging Face convention,
     or ``-1e9``) is a bias like any other: a row whose every key carries it still gets a
     proper softmax over those keys, on both paths.
+
+    **Attention sinks.** With ``sinks`` each row's softmax has one more logit ``s_i``, which
+    attends to nothing (gpt-oss's learned per-head sinks; ``s_i = 0`` is the "softmax + 1"):
+
+    .. math:: a_{ij} = \frac{e^{z_{ij}}}{\sum_{j'} e^{z_{ij'}} + e^{s_i}}, \qquad
+              o_i = \sum_j a_{ij} v_j, \qquad
+              \operatorname{lse}_i = \log\Big(\sum_j e^{z_{ij}} + e^{s_i}\Big).
+
+    A query may thus attend to nothing much: its weights sum to ``1 - exp(s_i - lse_i)``. A
+    row with no allowed key returns ``out = 0``, ``weights = 0`` and ``lse = s_i``.
+    ``sinks = -inf`` is plain attention (on the reference path, bit for bit). Both paths take
+    sinks: the tiled one adds ``exp(s_i - m_i)`` to each row's running normaliser at the
+    end. Dropout acts on the keys' weights only, as in gpt-oss's reference code, where the
+    sink's column is dropped before the dropout: the sink has no value, so dropping its
+    weight would change nothing, and the kept weights are scaled by ``1 / (1 - dropout_p)``
+    as without a sink.
 
     **NaN and infinity (NaN in, NaN out).** A key or value that a boolean, causal or window
     mask hides from a query never reaches that query's output, not even as a NaN: both paths
@@ -281,6 +364,20 @@ def scaled_dot_product_attention(
     >>> tiled = scaled_dot_product_attention(q, k, v, is_causal=True, implementation="tiled")
     >>> bool(np.allclose(tiled, out, rtol=1e-12, atol=1e-12))
     True
+
+    An attention sink per head (``(H, 1)``, broadcast over the queries) takes part of each
+    row's weight; a sink of 0 on a row of equal scores over 3 keys leaves each key 1/4:
+
+    >>> flat = np.zeros((2, 1, 3, 4))  # (B, H, T, Dk): every score is 0
+    >>> w = scaled_dot_product_attention(
+    ...     flat, flat, flat, sinks=np.zeros((1, 1)), return_weights=True
+    ... )[1]
+    >>> w[0, 0, 0]  # the first query's row: 1 / (3 + 1) each, the sink takes the rest
+    array([0.25, 0.25, 0.25])
+    >>> sinks = np.array([-1.0, 0.0, 1.0, 2.0])[:, None]  # (H, 1): one logit per head
+    >>> w = scaled_dot_product_attention(q, k, v, sinks=sinks, return_weights=True)[1]
+    >>> np.round(w.sum(-1).mean(axis=(0, 2)), 3)  # the larger the sink, the less on the keys
+    array([0.958, 0.917, 0.749, 0.619])
     """
     dropout_p = check_probability(dropout_p, "dropout_p")
     return_weights = check_bool(return_weights, "return_weights")
@@ -311,6 +408,7 @@ def scaled_dot_product_attention(
         enable_gqa=enable_gqa,
         causal_alignment=causal_alignment,
         window=window,
+        sinks=sinks,
     )
     if implementation == "auto":
         tiled = not return_weights and dropout_p == 0.0 and worth_tiling(problem)

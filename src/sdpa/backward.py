@@ -14,6 +14,11 @@ Given the upstream gradient ``dO = dL/dO`` the chain rule gives, line by line,
 ``D`` is the softmax's correction term: ``rowsum(P * dP) = rowsum(dO * (P V)) = rowsum(dO * O)``,
 so it needs the output, not the ``(T, S)`` matrices.
 
+An attention sink ``s_i`` is one more column of the softmax whose value is zero: its ``dP`` is
+0, so ``D`` keeps its formula and the sink's gradient is that column's ``dS``,
+``ds_i = P_sink,i (0 - D_i) = -exp(s_i - lse_i) D_i``; the keys' columns are as above, with
+``P`` the weights that leave the sink its share.
+
 Two implementations share one validation step (:func:`sdpa.problem.prepare_attention`, the
 same as the forward pass, so every argument means exactly what it means there):
 
@@ -137,6 +142,15 @@ def _weights_from_lse(scores: np.ndarray, lse: np.ndarray) -> np.ndarray:
     return p
 
 
+def _sink_weights(sinks: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """``exp(s - shift)``, ``(*batch, T)``: the sinks' weights when ``shift`` is ``lse`` (or
+    ``m``, then divided by ``l``); 0 where the sink is ``-inf``, also in a row whose ``lse`` is
+    ``-inf`` (no key and no sink), where ``s - lse`` would be NaN."""
+    shift = np.where(np.isneginf(shift), 0, shift).astype(shift.dtype, copy=False)
+    with np.errstate(over="ignore"):  # a difference below -max is -inf: weight 0
+        return np.exp(np.broadcast_to(sinks, shift.shape) - shift)
+
+
 def _inexact_lse(lse: np.ndarray) -> np.ndarray:
     """Rows whose stored ``lse`` is too large for ``exp(scores - lse)`` to be exact."""
     return np.isfinite(lse) & (np.abs(lse) > LSE_EXACT_LIMIT)
@@ -152,8 +166,9 @@ def backward_reference(
     d_out: np.ndarray,
     out: np.ndarray | None = None,
     lse: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The textbook backward pass on a prepared problem; returns full-batch ``(d_q, d_k, d_v)``.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The textbook backward pass on a prepared problem; returns full-batch
+    ``(d_q, d_k, d_v, d_sinks)``, ``d_sinks`` ``(*batch, T)`` or None without sinks.
 
     ``d_out`` and ``out`` are ``(*batch, T, Dv)``, ``lse`` is ``(*batch, T)`` in the grouped
     layout and working dtype. Without ``out`` and ``lse`` the forward pass is recomputed;
@@ -166,7 +181,7 @@ def backward_reference(
     if out is None:
         out, weights, lse = attention_reference(problem, mark=False)
     elif _inexact_lse(lse).any():
-        weights = attention_reference(problem, mark=False)[1]
+        _, weights, lse = attention_reference(problem, mark=False)  # the exact lse, for sinks
     else:
         with overflow_checked(problem):
             q_scaled = q * scale
@@ -178,7 +193,10 @@ def backward_reference(
     d_scores = weights * (d_weights - D)  # (..., T, S): the softmax's vector-Jacobian product
     d_q = (d_scores @ k) * scale  # (..., T, S) @ (..., S, Dk) -> (..., T, Dk)
     d_k = (np.swapaxes(d_scores, -1, -2) @ q) * scale  # (..., S, T) @ (..., T, Dk) -> (..., S, Dk)
-    return d_q, d_k, d_v
+    d_sinks = None
+    if problem.sinks is not None:  # the sink's column: weight exp(s - lse), dP = 0
+        d_sinks = -_sink_weights(problem.sinks, lse) * D[..., 0]  # (..., T)
+    return d_q, d_k, d_v, d_sinks
 
 
 def backward_tiled(
@@ -192,7 +210,7 @@ def backward_tiled(
     block_q: int = BACKWARD_BLOCK_Q,
     block_k: int = BACKWARD_BLOCK_K,
     num_threads: int = 1,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """The FlashAttention-2 backward pass: recompute ``P`` one ``(Bq, Bk)`` tile at a time.
 
     The outer loop runs over key/value tiles, which own their ``d_k`` and ``d_v`` rows; the
@@ -208,7 +226,9 @@ def backward_tiled(
     this pass rounds them (:func:`_row_statistics`), and ``P = exp(scores - m) / l``. Same
     arguments and results as :func:`backward_reference`, except that ``out`` and ``lse`` are
     required; ``m`` and ``ell`` (the forward pass's two parts of ``lse``) are accepted and not
-    used: the recomputed ones replace them, wherever ``lse`` alone would not be exact.
+    used: the recomputed ones replace them, wherever ``lse`` alone would not be exact. With
+    sinks, ``lse``, ``m`` and ``l`` include the sink's term, and the sinks' weights come from
+    them as the keys' do (``exp(s - lse)``, or ``exp(s - m) / l``).
     """
     del m, ell  # the forward pass's normalisers: _row_statistics recomputes them where needed
     q, k, v = problem.query, problem.key, problem.value
@@ -259,7 +279,13 @@ def backward_tiled(
     costs = [_band_area(problem, q_spans, [span]) for span in k_spans]
     d_q = _run_threaded(key_tile, k_spans, costs, num_threads, (*batch, T, Dk), dtype)
     d_q *= scale
-    return d_q, d_k, d_v
+    d_sinks = None
+    if problem.sinks is not None:  # the sink's column: weight exp(s - shift) * inv_l, dP = 0
+        p_sink = _sink_weights(problem.sinks, shift)
+        if inv_l is not None:
+            p_sink *= inv_l
+        d_sinks = -p_sink * D  # (*batch, T)
+    return d_q, d_k, d_v, d_sinks
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,6 +352,7 @@ def _row_statistics(problem, q_scaled, d_out, spans, k_spans, num_threads):
     D = np.zeros((*batch, T), dtype=dtype)
     v = problem.value
     ones = np.ones(max((s1 - s0 for s0, s1 in k_spans), default=0), dtype=dtype)
+    sinks = None if problem.sinks is None else np.broadcast_to(problem.sinks, (*batch, T))
 
     def query_tile(span: tuple[int, int], _) -> None:
         t0, t1 = span
@@ -345,12 +372,27 @@ def _row_statistics(problem, q_scaled, d_out, spans, k_spans, num_threads):
             acc *= alpha[..., None]
             acc += p @ v[..., s0:s1, :]  # (..., Bq, Bk) @ (..., Bk, Dv) -> (..., Bq, Dv)
             m_t[...] = m_new
+        if sinks is not None:  # the sink: one more term of the normaliser, with no value
+            _add_sink(m_t, ell_t, acc, sinks[..., t0:t1])
         d_out_acc = np.sum(d_out[..., t0:t1, :] * acc, axis=-1)  # (*batch, Bq): ell * D
         np.divide(d_out_acc, ell_t, out=D[..., t0:t1], where=ell_t > 0)
 
     costs = [_band_area(problem, [span], k_spans) for span in spans]
     _run_shared(query_tile, spans, costs, num_threads)
     return m, ell, D
+
+
+def _add_sink(m: np.ndarray, ell: np.ndarray, acc: np.ndarray, s: np.ndarray) -> None:
+    """Add each row's sink ``s`` to its running maximum ``m``, normaliser ``ell`` and the
+    rescaled ``acc`` (``(..., Bq)``, ``(..., Bq)``, ``(..., Bq, Dv)``, in place), as one more
+    key whose score is ``s`` and whose value is zero."""
+    m_new = np.maximum(m, s)
+    shift = np.where(np.isneginf(m_new), 0, m_new).astype(m.dtype, copy=False)
+    alpha = np.exp(m - shift)  # 0 where no key was allowed (m = -inf), else <= 1
+    ell *= alpha
+    ell += np.exp(s - shift)
+    acc *= alpha[..., None]
+    m[...] = m_new
 
 
 def _spans(n: int, block: int) -> list[tuple[int, int]]:
@@ -459,10 +501,14 @@ def _keys_reached(problem: AttentionProblem, rows: np.ndarray) -> np.ndarray:
     return result
 
 
-def _mark_gradients(problem, d_q, d_k, d_v, rows):
-    """NaN in, NaN out: a query row that a non-finite input reaches gets a NaN ``d_q`` row, and
-    every key it may attend gets NaN ``d_k`` and ``d_v`` rows (before the broadcast sums)."""
+def _mark_gradients(problem, d_q, d_k, d_v, d_sinks, rows):
+    """NaN in, NaN out: a query row that a non-finite input reaches gets a NaN ``d_q`` row (and
+    a NaN sink gradient), and every key it may attend gets NaN ``d_k`` and ``d_v`` rows (before
+    the broadcast sums)."""
     nan = problem.work_dtype.type(np.nan)
+    if d_sinks is not None:
+        d_sinks = np.array(np.broadcast_to(d_sinks, rows.shape))
+        d_sinks[rows] = nan
     d_q = np.array(np.broadcast_to(d_q, (*problem.batch_shape, problem.T, problem.Dk)))
     d_q[rows] = nan
     keys = _keys_reached(problem, rows)
@@ -470,7 +516,7 @@ def _mark_gradients(problem, d_q, d_k, d_v, rows):
     d_v = np.array(np.broadcast_to(d_v, (*problem.batch_shape, problem.S, problem.Dv)))
     d_k[keys] = nan
     d_v[keys] = nan
-    return d_q, d_k, d_v
+    return d_q, d_k, d_v, d_sinks
 
 
 def scaled_dot_product_attention_backward(
@@ -485,18 +531,20 @@ def scaled_dot_product_attention_backward(
     enable_gqa: bool = False,
     causal_alignment: str = "top_left",
     window: tuple[int | None, int | None] | None = None,
+    sinks: ArrayLike | None = None,
     out: ArrayLike | None = None,
     lse: ArrayLike | None = None,
     implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
     num_threads: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, ...]:
     r"""Gradients of :func:`sdpa.scaled_dot_product_attention` with respect to its three inputs.
 
     Given ``d_out = dL/d(out)`` for some scalar loss ``L``, returns ``(dL/dquery, dL/dkey,
-    dL/dvalue)``, the same numbers as ``torch.autograd`` on PyTorch's attention. Every argument
-    from ``query`` to ``window`` means exactly what it means in the forward call.
+    dL/dvalue)``, the same numbers as ``torch.autograd`` on PyTorch's attention, and
+    ``dL/dsinks`` fourth when the call has ``sinks``. Every argument from ``query`` to
+    ``sinks`` means exactly what it means in the forward call.
 
     Parameters
     ----------
@@ -505,6 +553,8 @@ def scaled_dot_product_attention_backward(
         full (broadcast) shape.
     query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, window
         As in :func:`sdpa.scaled_dot_product_attention`.
+    sinks : (..., Hq, T) array_like, optional
+        The attention sinks' logits of the forward call; their gradient is returned too.
     out : (..., Hq, T, Dv) array_like, optional
         The forward output.
     lse : (..., Hq, T) array_like, optional
@@ -532,6 +582,10 @@ def scaled_dot_product_attention_backward(
         Same shape and dtype as ``key``.
     d_value : np.ndarray
         Same shape and dtype as ``value``.
+    d_sinks : np.ndarray
+        Only when ``sinks`` is given (the tuple then has four entries): same shape and dtype
+        as ``sinks`` (float64 for integer sinks or a Python number), summed over every row
+        that shares a sink, as autograd sums a broadcast input's gradient.
 
     Raises
     ------
@@ -557,6 +611,11 @@ def scaled_dot_product_attention_backward(
     batch axis, ``Hkv = 1``) receives the sum of the gradients of all its uses, as autograd
     does. With ``enable_gqa=True`` each key/value head receives the sum over its group of
     ``Hq // Hkv`` query heads.
+
+    **Sinks.** A sink is one more column of the softmax with the value 0: its ``dP`` is 0,
+    ``D`` keeps its formula, and ``ds_i = -P_sink,i D_i`` with ``P_sink,i = exp(s_i - lse_i)``,
+    the weight the sink takes. A row with no allowed key has ``out = 0``, hence ``D = 0`` and
+    no gradient; a sink of ``-inf`` gets 0.
 
     **Masks** are constants: a float mask (bias) receives no gradient. Masked positions have
     ``P = 0`` and pass no gradient; fully masked rows (``lse = -inf``) give zero gradients, not
@@ -620,6 +679,20 @@ def scaled_dot_product_attention_backward(
            [0.   , 0.   ]])
     >>> float(np.round(d_v[:, 0].sum(), 12))
     3.0
+
+    With sinks a fourth gradient comes back, shaped like ``sinks`` (here one logit per head,
+    ``(H, 1)``, so each entry sums over the head's ``T`` rows). Raising a sink moves weight
+    from the keys to it, so ``L = sum(out)`` changes by ``-P_sink,i * D_i`` per row:
+
+    >>> qh, kh, vh = q[None], k[None], v[None]  # one head: (1, T, Dk), (1, S, Dk), (1, S, Dv)
+    >>> sinks = np.array([[0.5]])  # (H, 1)
+    >>> grads = attention_backward(np.ones((1, 3, 2)), qh, kh, vh, sinks=sinks)
+    >>> len(grads), grads[3].shape
+    (4, (1, 1))
+    >>> fd = (attention(qh, kh, vh, sinks=sinks + 1e-6).sum()
+    ...       - attention(qh, kh, vh, sinks=sinks - 1e-6).sum()) / 2e-6
+    >>> bool(np.isclose(grads[3][0, 0], fd, rtol=1e-6))
+    True
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
@@ -645,6 +718,7 @@ def scaled_dot_product_attention_backward(
         enable_gqa=enable_gqa,
         causal_alignment=causal_alignment,
         window=window,
+        sinks=sinks,
     )
     T, Dv = problem.T, problem.Dv
     full = problem.batch_shape
@@ -660,13 +734,13 @@ def scaled_dot_product_attention_backward(
     if implementation == "auto":  # the forward pass's rule, so both passes agree
         implementation = "tiled" if worth_tiling(problem) else "reference"
     if implementation == "reference":
-        d_q, d_k, d_v = backward_reference(problem, d_out, out, lse)
+        grads = backward_reference(problem, d_out, out, lse)
     else:
         if out is None:  # O(T + S) memory per head, like the backward
             out, lse = attention_tiled(problem, mark=False)
         out = np.broadcast_to(out, (*full, T, Dv))
         lse = np.broadcast_to(lse, (*full, T))
-        d_q, d_k, d_v = backward_tiled(
+        grads = backward_tiled(
             problem,
             d_out,
             out,
@@ -677,14 +751,22 @@ def scaled_dot_product_attention_backward(
         )
     rows = [np.broadcast_to(r, (*full, T)) for r in bad_rows if r is not None]
     if rows:
-        d_q, d_k, d_v = _mark_gradients(problem, d_q, d_k, d_v, np.logical_or.reduce(rows))
+        grads = _mark_gradients(problem, *grads, np.logical_or.reduce(rows))
+    return _user_gradients(problem, grads, (query, key, value, sinks))
 
+
+def _user_gradients(problem: AttentionProblem, grads, inputs) -> tuple[np.ndarray, ...]:
+    """``(d_query, d_key, d_value[, d_sinks])`` in the shapes and dtypes of ``inputs``.
+
+    Each full-batch gradient of ``grads`` is summed over the axes along which its input was
+    broadcast (and over the GQA group), then shaped like the input; ``d_sinks`` only when the
+    call had sinks.
+    """
+    grouped = (problem.query, problem.key, problem.value, problem.sinks)
     results = []
-    for grad, grouped, original in (
-        (d_q, problem.query, query),
-        (d_k, problem.key, key),
-        (d_v, problem.value, value),
-    ):
-        grad = _sum_to_shape(grad, grouped.shape)  # undo broadcasting and the GQA grouping
+    for grad, prepared, original in zip(grads, grouped, inputs):
+        if prepared is None:  # no sinks
+            continue
+        grad = _sum_to_shape(grad, prepared.shape)  # undo broadcasting and the GQA grouping
         results.append(grad.reshape(np.shape(original)).astype(_grad_dtype(original)))
     return tuple(results)

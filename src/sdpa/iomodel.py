@@ -29,6 +29,12 @@ With ``N`` queries and keys and width ``d``, the first moves :math:`\Theta(N d +
 the other two :math:`\Theta(N^2 d^2 / M)` (FlashAttention, Theorem 2), for
 :math:`d \le M \le N d`. The functions' Notes derive the exact counts.
 
+**Causal attention.** With ``is_causal=True`` (query ``i`` attends the keys ``j <= i``, aligned
+top left) the two blocked algorithms skip every tile entirely above the diagonal, with the
+loads and stores it would have cost, and mask inside the tiles the diagonal crosses, as
+:func:`sdpa.blocked_attention` does. For ``T = S = N`` their quadratic term halves as ``N``
+grows.
+
 **Block sizes.** The paper sets :math:`B_c = \lceil M / 4d \rceil` and
 :math:`B_r = \min(\lceil M / 4d \rceil, d)`. Those sizes fit in :math:`O(M)` words, not in
 ``M``: the blocks of ``K`` and ``V`` alone take :math:`2 B_c d \ge M / 2`, and the blocks of
@@ -49,8 +55,8 @@ from numbers import Integral
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import check_scale
-from .blocked import _check_block, _check_matrix
+from ._checks import check_bool, check_scale
+from .blocked import _causal, _check_block, _check_matrix
 
 __all__ = [
     "FastMemoryOverflow",
@@ -542,12 +548,15 @@ def flash_attention_io(
     block_q: int | None = None,
     block_k: int | None = None,
     scale: float | None = None,
+    is_causal: bool = False,
 ) -> IOCount:
     r"""FlashAttention's Algorithm 1 on fast memory of ``M`` words.
 
     The outer loop loads one block of keys and values; the inner loop visits every query
     block, loading its queries, its partial output ``O_i`` and its statistics ``l_i``,
-    ``m_i``, updating them with the block's scores and writing all three back.
+    ``m_i``, updating them with the block's scores and writing all three back. Causal, the
+    inner loop skips the query blocks that end before the key block starts, and the key
+    blocks after the last query are not loaded at all.
 
     Parameters
     ----------
@@ -559,6 +568,9 @@ def flash_attention_io(
         ``Br`` and ``Bc``; default :func:`flash_block_sizes` with ``loop_order="kv_outer"``.
     scale : float, optional
         Default ``1 / sqrt(Dk)``.
+    is_causal : bool, default False
+        Query ``i`` attends only the keys ``j <= i`` (top-left alignment); the tiles above the
+        diagonal are skipped.
 
     Returns
     -------
@@ -592,6 +604,21 @@ def flash_attention_io(
     ``Br = 2`` the working set would be ``32 + 20 + 16 = 68`` words); loads
     ``8 * 4 + 8 * 6 = 80`` and stores ``2 * 8 * 4 = 64``.
 
+    **Causal.** Key block ``j``, its keys from :math:`s_j`, is loaded only if
+    :math:`s_j < T`, and then meets only the query blocks whose last query is at least
+    :math:`s_j`: the :math:`T - \lfloor s_j / B_r \rfloor B_r` rows from the block that
+    holds query :math:`s_j` on. Each of those rows is loaded (:math:`D_k + D_v + 2` words) and
+    stored (:math:`D_v + 2`) once for the key block:
+
+    .. math::
+        \text{loads} = \sum_{j:\, s_j < T} \bigl(|K_j| (D_k + D_v)
+            + (T - \lfloor s_j / B_r \rfloor B_r) (D_k + D_v + 2)\bigr), \qquad
+        \text{stores} = T (D_v + 2)
+            + \sum_{j:\, s_j < T} (T - \lfloor s_j / B_r \rfloor B_r) (D_v + 2).
+
+    For :math:`T = S = N` and blocks that divide it, the rows met sum to about
+    :math:`N^2 / 2 B_c`, half of the :math:`c N = N^2 / B_c` without the mask.
+
     Examples
     --------
     >>> import numpy as np
@@ -604,8 +631,19 @@ def flash_attention_io(
     ((1, 8), 80, 64)
     >>> bool(np.allclose(count.out, scaled_dot_product_attention(q, k, v)))
     True
+
+    Causal, in blocks of 4 keys and 2 queries: the second key block (keys 4 to 7) meets only
+    the query blocks from query 4 on, 4 rows instead of 8 (without the mask, 128 loads and
+    96 stores):
+
+    >>> causal = flash_attention_io(q, k, v, capacity=64, block_q=2, block_k=4, is_causal=True)
+    >>> causal.loads, causal.stores  # 16 + 8*6 + 16 + 4*6 and 8*4 + 8*4 + 4*4
+    (104, 80)
+    >>> bool(np.allclose(causal.out, scaled_dot_product_attention(q, k, v, is_causal=True)))
+    True
     """
     q, k, v, scale = _prepare(q, k, v, scale)
+    is_causal = check_bool(is_causal, "is_causal")
     capacity = _check_capacity(capacity)
     (T, Dk), (S, Dv) = q.shape, v.shape
     Br, Bc = _flash_blocks(Dk, Dv, capacity, block_q, block_k, "kv_outer")
@@ -622,16 +660,23 @@ def flash_attention_io(
         mem.free("o_i", "l_i", "m_i")
 
     for s0, s1 in _blocks(S, Bc):  # outer loop: key/value blocks
+        if is_causal and s0 > T - 1:
+            break  # keys after the last query: no query sees them
         k_j = mem.load("k_j", k[s0:s1])
         v_j = mem.load("v_j", v[s0:s1])
         for t0, t1 in _blocks(T, Br):  # inner loop: every query block, read and written back
+            if is_causal and t1 - 1 < s0:
+                continue  # the tile lies above the diagonal: skipped, nothing moves
             q_i = mem.load("q_i", q[t0:t1])
             o_i = mem.load("o_i", out[t0:t1])
             l_i = mem.load("l_i", l[t0:t1])
             m_i = mem.load("m_i", m[t0:t1])
             p = mem.hold("scores_ij", scale * (q_i @ k_j.T))  # (Br, Bc)
+            if is_causal:  # the diagonal may cross the tile: -inf for keys after their query
+                p[~_causal(t0, s0, p.shape)] = -np.inf
             m_tilde = mem.hold("m_tilde", p.max(axis=1))
-            np.exp(p - m_tilde[:, None], out=p)  # P~, in place of the scores
+            # P~, in place of the scores; a row the tile masks whole (m~ = -inf) gets zeros
+            np.exp(p - np.where(np.isfinite(m_tilde), m_tilde, 0.0)[:, None], out=p)
             l_tilde = mem.hold("l_tilde", p.sum(axis=1))
             m_new = mem.hold("m_new", np.maximum(m_i, m_tilde))
             old, new = np.exp(m_i - m_new), np.exp(m_tilde - m_new)
@@ -656,13 +701,15 @@ def flash_attention2_io(
     block_q: int | None = None,
     block_k: int | None = None,
     scale: float | None = None,
+    is_causal: bool = False,
 ) -> IOCount:
     r"""FlashAttention-2's loop order on fast memory of ``M`` words.
 
     The outer loop loads one block of queries and keeps its output accumulator and running
     statistics in fast memory; the inner loop streams every key/value block past it. The
     output is divided by ``l`` once and written once, with the log-sum-exp. This is the loop
-    of :func:`sdpa.blocked_attention`.
+    of :func:`sdpa.blocked_attention`; causal, the inner loop stops after the key block that
+    holds the query block's last query, as there.
 
     Parameters
     ----------
@@ -674,6 +721,9 @@ def flash_attention2_io(
         ``Br`` and ``Bc``; default :func:`flash_block_sizes` with ``loop_order="q_outer"``.
     scale : float, optional
         Default ``1 / sqrt(Dk)``.
+    is_causal : bool, default False
+        Query ``i`` attends only the keys ``j <= i`` (top-left alignment); the tiles above the
+        diagonal are skipped.
 
     Returns
     -------
@@ -704,6 +754,18 @@ def flash_attention2_io(
     ``Br = 64 // 16 = 4`` (``r = 2``) and ``Bc = 2`` (``32 + 8 + 8 = 48`` words); loads
     ``16 + 2 * 8 * 4 = 80`` and stores ``8 * 3 = 24``.
 
+    **Causal.** Query block ``i``, its last query :math:`t_i - 1`, loads the key blocks that
+    start at or before it: the first :math:`\min(S, \lceil t_i / B_c \rceil B_c)` keys and
+    values. The stores do not change:
+
+    .. math::
+        \text{loads} = T D_k + (D_k + D_v) \sum_i \min(S, \lceil t_i / B_c \rceil B_c),
+        \qquad \text{stores} = T (D_v + 1).
+
+    For :math:`T = S = N` and blocks that divide it, the sum is about :math:`N^2 / 2 B_r`,
+    half of the :math:`r N = N^2 / B_r` without the mask; in the hand-checked case, query
+    block 1 loads keys 0 to 3 and block 2 all eight: ``16 + 4 * (4 + 8) = 64`` loads.
+
     Examples
     --------
     >>> import numpy as np
@@ -716,8 +778,12 @@ def flash_attention2_io(
     ((4, 2), 80, 24)
     >>> bool(np.allclose(count.out, scaled_dot_product_attention(q, k, v)))
     True
+    >>> causal = flash_attention2_io(q, k, v, capacity=64, is_causal=True)
+    >>> causal.loads, causal.stores
+    (64, 24)
     """
     q, k, v, scale = _prepare(q, k, v, scale)
+    is_causal = check_bool(is_causal, "is_causal")
     capacity = _check_capacity(capacity)
     (T, Dk), (S, Dv) = q.shape, v.shape
     Br, Bc = _flash_blocks(Dk, Dv, capacity, block_q, block_k, "q_outer")
@@ -730,9 +796,13 @@ def flash_attention2_io(
         l_i = mem.hold("l_i", np.zeros(t1 - t0))
         m_i = mem.hold("m_i", np.full(t1 - t0, -np.inf))
         for s0, s1 in _blocks(S, Bc):  # inner loop: every key/value block streams past
+            if is_causal and s0 > t1 - 1:
+                break  # this tile and the rest of the row lie above the diagonal: skipped
             k_j = mem.load("k_j", k[s0:s1])
             v_j = mem.load("v_j", v[s0:s1])
             p = mem.hold("scores_ij", scale * (q_i @ k_j.T))  # (Br, Bc)
+            if is_causal:  # the diagonal may cross the tile: -inf for keys after their query
+                p[~_causal(t0, s0, p.shape)] = -np.inf
             m_new = mem.hold("m_new", np.maximum(m_i, p.max(axis=1)))
             np.exp(p - m_new[:, None], out=p)
             alpha = mem.hold("alpha", np.exp(m_i - m_new))

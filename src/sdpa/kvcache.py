@@ -321,6 +321,7 @@ class KVCache:
         *,
         scale: float | None = None,
         window: tuple[int | None, int | None] | None = None,
+        sinks: ArrayLike | None = None,
         return_lse: bool = False,
     ):
         """Causal attention of the newest ``T`` queries to every key and value of ``layer``.
@@ -339,6 +340,9 @@ class KVCache:
             As in :func:`scaled_dot_product_attention`; default ``1 / sqrt(Dk)``.
         window : (left, right), optional
             Sliding window, positioned bottom-right like the causal mask.
+        sinks : (B, Hq, T) array_like, optional
+            Attention sinks, as in :func:`scaled_dot_product_attention` (a per-head logit
+            as ``sinks[:, None]``, of shape ``(Hq, 1)``).
         return_lse : bool, default False
             Also return the log-sum-exp ``(B, Hq, T)``.
 
@@ -394,5 +398,6 @@ class KVCache:
             enable_gqa=q.shape[1] != self.n_kv_heads,
             scale=scale,
             window=window,
+            sinks=sinks,
             return_lse=return_lse,
         )

@@ -30,6 +30,7 @@ from ._checks import (
     check_alignment,
     check_bool,
     check_query_key_value,
+    check_range,
     check_scale,
     check_window,
     compute_dtype,
@@ -80,6 +81,9 @@ class AttentionProblem:
     may_overflow : bool
         False when the norms of query and key and the size of the bias prove that no score
         (nor any intermediate of the tiled path) can overflow.
+    sinks : np.ndarray or None
+        The attention sinks' logits in ``work_dtype``, broadcastable to ``(*batch_shape, T)``
+        (one extra logit per row in the softmax's denominator, with no value), or None.
 
     Examples
     --------
@@ -119,6 +123,9 @@ class AttentionProblem:
     # False when the norms of query and key and the size of the bias prove that no score (nor
     # any intermediate of the tiled path) can overflow; True means: check the scores.
     may_overflow: bool = False
+    # The sinks' logits s_i, broadcastable to (*batch_shape, T), or None: every implementation
+    # adds exp(s_i) to row i's normaliser (the weights then sum to less than one).
+    sinks: np.ndarray | None = None
 
     @property
     def scores_shape(self) -> tuple[int, ...]:
@@ -237,6 +244,43 @@ def _check_mask(attn_mask, full_heads_shape: tuple[int, ...], work_dtype: np.dty
     return None, mask.astype(work_dtype, copy=False), max(-float(lo), float(hi))
 
 
+def _check_sinks(sinks, rows_shape: tuple[int, ...], work_dtype: np.dtype) -> np.ndarray | None:
+    """``sinks`` as an array in ``work_dtype`` that broadcasts to ``rows_shape`` ``(..., H, T)``.
+
+    A sink is a logit in the units of the scaled scores: finite, or ``-inf`` (no sink). NaN,
+    ``+inf`` (every weight would be 0 and ``lse`` infinite) and finite values that the working
+    dtype cannot hold are refused, as is a bool array (a mask passed in the wrong place).
+    """
+    if sinks is None:
+        return None
+    hint = "pass a plain array of logits (-inf for no sink)"
+    arr = as_array(sinks, "sinks", masked_hint=hint)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(
+            f"sinks must be a real floating or integer array of logits; got dtype {arr.dtype}"
+        )
+    try:
+        fits = np.broadcast_shapes(arr.shape, rows_shape) == rows_shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"sinks must broadcast to the weights' shape without the key axis, {rows_shape} "
+            f"(..., H, T): a per-head logit is sinks[:, None], of shape (H, 1); "
+            f"got sinks.shape={arr.shape}"
+        )
+    if arr.dtype.kind == "f" and arr.size:
+        with np.errstate(invalid="ignore"):
+            bad = np.isnan(arr) | np.isposinf(arr)
+        if bad.any():
+            raise ValueError(
+                "sinks must hold finite logits or -inf (no sink); got "
+                + ("NaN" if np.isnan(arr).any() else "+inf")
+            )
+        check_range(arr, work_dtype, "sinks", ", the dtype the scores are computed in")
+    return arr.astype(work_dtype)  # a copy: the problem never shares the caller's array
+
+
 def _finite_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, float]:
     """``(x with non-finite rows zeroed, bad rows or None, largest row norm)`` of ``(..., L, D)``.
 
@@ -285,12 +329,13 @@ def prepare_attention(
     enable_gqa: bool = False,
     causal_alignment: str = "top_left",
     window: tuple[int | None, int | None] | None = None,
+    sinks: ArrayLike | None = None,
 ) -> AttentionProblem:
     """Validate an attention call and normalise it into an :class:`AttentionProblem`.
 
     Parameters
     ----------
-    query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, window
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, window, sinks
         As in :func:`sdpa.scaled_dot_product_attention`.
 
     Returns
@@ -334,6 +379,7 @@ def prepare_attention(
 
     out_dtype, work_dtype = compute_dtype(q, k, v)
     allowed, bias, bias_bound = _check_mask(attn_mask, full_heads_shape, work_dtype)
+    sinks = _check_sinks(sinks, full_heads_shape[:-1], work_dtype)
     scale = check_scale(scale, Dk)
     if abs(scale) > float(np.finfo(work_dtype).max):
         raise ValueError(
@@ -360,6 +406,7 @@ def prepare_attention(
             for a, trailing in ((k, 2), (v, 2), (bad_key, 1), (bad_value, 1))
         )
         allowed, bias = (_split_heads(a, Hkv, groups, 2) for a in (allowed, bias))
+        sinks = _split_heads(sinks, Hkv, groups, 1)
 
     return AttentionProblem(
         query=q,
@@ -382,6 +429,7 @@ def prepare_attention(
         bad_key=bad_key,
         bad_value=bad_value,
         may_overflow=may_overflow,
+        sinks=sinks,
     )
 
 

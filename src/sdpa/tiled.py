@@ -12,6 +12,8 @@ the arrangement of Dao's FlashAttention-2):
 
 When a new block raises the maximum from ``m`` to ``m_new``, the old sums are rescaled by
 ``alpha = exp(m - m_new)``; after the last block ``out = acc / l`` and ``lse = m + log(l)``.
+An attention sink ``s`` (a logit with no value) is one more term of the normaliser, added at
+the end like one more block: ``l = alpha l + exp(s - m_new)`` with ``m_new = max(m, s)``.
 The result equals the formula up to rounding, and the extra memory is a few tiles per worker
 thread instead of ``T * S`` numbers per head.
 
@@ -275,6 +277,7 @@ class _Plan:
     v: np.ndarray  # (*outer, S, Dv) view of the values
     allowed: np.ndarray | None  # (*outer, G, T, S) bool view, or None
     bias: np.ndarray | None  # (*outer, G, T, S) view, or None
+    sinks: np.ndarray | None  # (*outer, G, T) view of the sinks' logits, or None
     out: np.ndarray  # (*outer, G, T, Dv), written by the workers
     lse: np.ndarray  # (*outer, G, T)
     m: np.ndarray | None  # (*outer, G, T): the final shift of each row, when asked for
@@ -365,6 +368,10 @@ def _make_plan(
         full = np.broadcast_to(a, (*bs, T, last))
         return full if fold else full[..., None, :, :]
 
+    def row_sinks(a):  # broadcast the (..., T) sinks to (*outer, G, T)
+        full = np.broadcast_to(a, (*bs, T))
+        return full if fold else full[..., None, :]
+
     def heads_view(a, last):  # the (S, last) head of a (..., S, last) array each outer index reads
         full = np.broadcast_to(a, (*bs, S, last))
         return full[..., 0, :, :] if fold else full
@@ -391,6 +398,7 @@ def _make_plan(
         v=heads_view(value, Dv),
         allowed=allowed,
         bias=bias,
+        sinks=None if problem.sinks is None else row_sinks(problem.sinks),
         out=np.empty((*outer, G, T, Dv), dtype=dtype),
         lse=np.empty((*outer, G, T), dtype=dtype),
         m=np.empty((*outer, G, T), dtype=dtype) if with_stats else None,
@@ -671,14 +679,22 @@ class _Unit:
 
     def write_result(self) -> None:
         """``out = acc / l`` and ``lse = m + log l``; rows that never met an allowed key have
-        ``l = 0``, ``out = 0`` and ``lse = -inf``."""
+        ``l = 0``, ``out = 0`` and ``lse = -inf``.
+
+        With sinks, the sink's term joins each row's normaliser first (:func:`_add_sinks`):
+        ``out = acc * alpha / l`` and ``lse = m + log l`` with the new ``m`` and ``l``.
+        """
         plan, o, t0, t1 = self.plan, self.o, self.t0, self.t1
         G, Dv, bq, rows = plan.G, plan.Dv, t1 - t0, self.rows
         self.folded.fill(0)
         l = self.l
+        m = self.m if plan.to_base == 1.0 else self.m / plan.to_base  # in natural units
+        alpha = 1
+        if plan.sinks is not None:
+            m, l, alpha = _add_sinks(m, l, plan.sinks[o][:, t0:t1].reshape(rows))
         seen = l > 0
         inv = np.zeros(rows, dtype=plan.dtype)
-        np.divide(1, l, out=inv, where=seen)
+        np.divide(alpha, l, out=inv, where=seen)
         out = plan.out[o][:, t0:t1, :]  # (G, bq, Dv) view of the result
         np.multiply(self.acc.reshape(G, bq, Dv), inv.reshape(G, bq, 1), out=out)
         if plan.v_exp is not None:
@@ -687,7 +703,6 @@ class _Unit:
             top = self.buffers.top  # (Dv,); np.maximum keeps a NaN once it has met one
             np.maximum(top, np.max(out, axis=(0, 1)), out=top)  # no temporary array
             np.maximum(top, -np.min(out, axis=(0, 1)), out=top)
-        m = self.m if plan.to_base == 1.0 else self.m / plan.to_base  # in natural units
         lse = np.full(rows, -np.inf, dtype=plan.dtype)
         np.log(l, out=lse, where=seen)
         np.add(lse, m, out=lse, where=seen)
@@ -695,6 +710,26 @@ class _Unit:
         if plan.m is not None:
             plan.m[o][:, t0:t1] = m.reshape(G, bq)
             plan.l[o][:, t0:t1] = l.reshape(G, bq)
+
+
+def _add_sinks(m: np.ndarray, l: np.ndarray, s: np.ndarray):
+    """``(m, l, alpha)``: a unit's rows with each row's sink ``s`` added to its normaliser.
+
+    ``m`` (the shift, in natural units), ``l`` (the sum of ``exp(score - m)``) and ``s`` are
+    ``(rows,)``. The sink joins the shift, ``m_new = max(m, s)``, so that ``exp(s - m_new)``
+    cannot overflow however far the lazy shift lags behind it; the keys' sums are rescaled by
+    ``alpha = exp(m - m_new)``: ``l_new = alpha l + exp(s - m_new)`` and the output is
+    ``alpha acc / l_new``. A row that met no allowed key (``l = 0``) gets ``m_new = s`` and
+    ``l_new = 1`` (so ``lse = s`` exactly), or stays empty if its sink is ``-inf`` too. With
+    ``s = -inf`` a row keeps its ``m`` and ``l`` bit for bit, and ``alpha = 1``.
+    """
+    seen = l > 0
+    m_new = np.where(seen, np.maximum(m, s), s)
+    shift = np.where(m_new > -np.inf, m_new, 0).astype(m.dtype, copy=False)
+    alpha = np.zeros_like(l)
+    np.exp(m - shift, out=alpha, where=seen)  # <= 1, and exactly 1 where the sink is below m
+    l_new = l * alpha + np.exp(s - shift)  # exp(-inf) = 0 for a sink of -inf
+    return m_new, l_new, alpha
 
 
 def _zeros(buffer: np.ndarray, n: int) -> np.ndarray:
@@ -946,6 +981,10 @@ def attention_tiled(
         out = np.zeros((*problem.batch_shape, T, Dv), dtype=dtype)
         lse = np.full((*problem.batch_shape, T), -np.inf, dtype=dtype)
         m, l = np.zeros_like(lse), np.zeros_like(lse)
+        if problem.sinks is not None:  # no key: lse = s, as m + log(l) with m = s, l = 1
+            lse[...] = problem.sinks
+            has_sink = lse > -np.inf
+            m[has_sink], l[has_sink] = lse[has_sink], 1
         if mark:
             out, lse, _ = mark_poisoned(problem, out, lse)
         return (out, lse, m, l) if return_stats else (out, lse)

@@ -377,7 +377,13 @@ def draw_bracket(
 
 
 def role_legend(
-    ax, entries, *, loc: str = "lower center", anchor=(0.5, 0.0), ncols: int | None = None
+    ax,
+    entries,
+    *,
+    loc: str = "lower center",
+    anchor=(0.5, 0.0),
+    ncols: int | None = None,
+    fontsize: float = LABEL_PT,
 ):
     """A legend of colour roles: one patch per ``(label, colour)`` entry, no frame.
 
@@ -395,6 +401,8 @@ def role_legend(
         In axes fractions (0 to 1).
     ncols : int, optional
         Default: all entries on one row.
+    fontsize : float, default MIN_FONT_PT
+        Of the labels; at least ``sdpa_book.figures.MIN_FONT_PT``.
 
     Returns
     -------
@@ -404,7 +412,7 @@ def role_legend(
     Raises
     ------
     ValueError
-        If ``entries`` is empty.
+        If ``entries`` is empty, or ``fontsize`` is under ``MIN_FONT_PT``.
 
     Examples
     --------
@@ -421,6 +429,7 @@ def role_legend(
     entries = list(entries)
     if not entries:
         raise ValueError("entries must hold at least one (label, colour) pair; got none")
+    fontsize = _fontsize(fontsize)
     handles = []
     for entry in entries:
         label, color, *extra = entry
@@ -441,7 +450,7 @@ def role_legend(
         bbox_transform=ax.transAxes,
         ncols=ncols or len(handles),
         frameon=False,
-        fontsize=LABEL_PT,
+        fontsize=fontsize,
         handlelength=1.4,
         handleheight=1.0,
         columnspacing=1.2,

@@ -1,21 +1,26 @@
-"""The tiled (FlashAttention) loop: what sits in fast memory, what stays in slow memory,
-:func:`flash_loop_diagram`."""
+"""The tiled (FlashAttention-2) loop: what sits in fast memory, what stays in slow memory, and
+the order in which the tiles of scores are computed, :func:`flash_loop_diagram`.
+
+Drawn for a phone: at most ``_MAX_WIDTH`` inches wide, the two memories one above the other,
+words and numbers at ``_TEXT_PT`` and maths (whose scripts mathtext draws at 70 %) at
+``_MATH_PT``, so that every glyph stays at 9 CSS px or more in a 390 px phone's column and at
+10 px or more on a desktop.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..figures import FULL_WIDTH, KEY, OUTPUT, QUERY, VALUE
-from .draw import _outline, draw_arrow, draw_box, new_canvas
+from ..figures import KEY, MASKED_COLOR, OUTPUT, QUERY, VALUE
+from .draw import _add, _outline, draw_arrow, draw_box, new_canvas
 from .matrix import draw_matrix
 from .primitives import (
     FAST_MEMORY,
     INK,
-    LABEL_PT,
     MARGIN,
-    NAME_PT,
     NEUTRAL,
+    PHONE_WIDTH,
     SCORES,
     SLOW_MEMORY,
     Rect,
@@ -23,34 +28,33 @@ from .primitives import (
     _block_rect,
     _clear_gap,
     _fit_unit,
-    _label_lines,
+    _flag,
     _line_height,
     _matrix_size,
+    _mix,
     _pack,
     _positive_int,
-    _stack_size,
     text_size,
 )
 
+_TEXT_PT = 10  # words and numbers
+_MATH_PT = 11  # maths: its 7.7 pt scripts stay at 9 CSS px in a phone's column
+_MAX_WIDTH = PHONE_WIDTH  # inches: a phone's column shrinks it to about 0.91
+_MAX_HEIGHT = 6.5  # inches: the grids shrink (to a unit that fits) before the figure grows
 _PAD = 0.1  # inside a memory's panel
-_TITLE_H = _line_height(NAME_PT) + 0.08  # a panel's title
+_ARROWS_H = 0.5  # between the two memories
+_BESIDE = 0.07  # between a grid and the labels beside it
+_TITLE_H = _line_height(_MATH_PT) + 0.06  # a panel's title
 _UPRIGHT = {"lse", "m", "l"}  # one number per query row: drawn as columns
-_LOOP = [  # (indent, line) of the loop written beside fast memory
-    (0, "for each query block $i$:"),
-    (1, "load $Q_i$; $m = -\\infty$, $\\ell = 0$, acc $= 0$"),
-    (1, "for each key block $j$:"),
-    (2, "load $K_j$, $V_j$"),
-    (2, "tile $= Q_i K_j^\\top / \\sqrt{D_k}$"),
-    (2, "update $m$, $\\ell$, acc"),
-    (1, "write $O_i =$ acc $/\\, \\ell$"),
-    (1, "write $\\mathrm{lse}_i = m + \\log \\ell$"),
-]
-_INDENT = 0.18
-_LOOP_STEP = 1.45 * LABEL_PT / 72  # roots and superscripts need more than one line
 _ARROW_LABELS = ["load $Q_i$", "load $K_j$, $V_j$", "write $O_i$, lse$_i$"]
 # Digits have no descenders: their ink is the cap height, 0.73 of the font size in DejaVu Sans,
 # not the line's height that text_size measures, so a number fits a tile that tall (+ margin).
-_DIGIT_H = 0.73 * LABEL_PT / 72
+_DIGIT_H = 0.73 * _TEXT_PT / 72
+
+
+def _pt(text: str) -> float:
+    """Maths (between dollars) at ``_MATH_PT``, words and numbers at ``_TEXT_PT``."""
+    return _MATH_PT if "$" in text else _TEXT_PT
 
 
 class _Item(NamedTuple):
@@ -59,6 +63,12 @@ class _Item(NamedTuple):
     name: str
     color: str
     blocks: tuple[int | None, int | None] = (None, None)  # heavier lines every (rows, cols)
+
+    def labels(self) -> list[tuple[str, float]]:
+        """Name, symbolic shape and numeric shape, each with its font size."""
+        inner = ", ".join(self.dims) + ("," if len(self.dims) == 1 else "")
+        names = [(line, _pt(line)) for line in self.name.split("\n")]
+        return [*names, (f"$({inner})$", _MATH_PT), (str(tuple(self.shape)), _TEXT_PT)]
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,9 @@ class _Memory:
 @dataclass(frozen=True)
 class _MemoryPlan:
     x: dict[str, float]  # left of each grid of the bottom row
+    w: dict[str, float]  # width of every grid
     h: dict[str, float]  # height of every grid
-    right: float  # right edge of the panel
+    right: float  # right edge of what the panel holds
     panel_h: float  # height the panel needs
     below: float  # room for the labels under the bottom row
 
@@ -85,19 +96,53 @@ class _MemoryPlan:
 class _FlashPlan:
     slow: _MemoryPlan
     fast: _MemoryPlan
-    fast_h: float  # fast memory's panel: as tall as the loop written beside it, at least
+    arrows: list[float]  # x of each arrow between the memories
 
 
-def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
-    r"""The tiled (FlashAttention) loop: what sits in fast memory, what stays in slow memory.
+class _Tiles(NamedTuple):
+    """The score tiles: the sizes, and the tiles the loop computes in its order."""
+
+    T: int
+    S: int
+    Bq: int
+    Bk: int
+    order: list[tuple[int, int]]  # (query block, key block), in the order computed
+    is_causal: bool
+
+    def span(self, a: int, b: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The queries and the keys of tile ``(a, b)``, as ``(start, stop)``."""
+        rows = (a * self.Bq, min(self.T, (a + 1) * self.Bq))
+        return rows, (b * self.Bk, min(self.S, (b + 1) * self.Bk))
+
+
+def _visit_order(T: int, S: int, Bq: int, Bk: int, is_causal: bool) -> list[tuple[int, int]]:
+    """The tiles ``(a, b)`` in the order the loop computes them: query blocks outside, key
+    blocks inside; causal, a query block stops at the key block holding its last query."""
+    n_k = -(-S // Bk)
+    order = []
+    for a in range(-(-T // Bq)):
+        last_query = min(T, (a + 1) * Bq) - 1
+        stop = min(n_k, last_query // Bk + 1) if is_causal else n_k
+        order += [(a, b) for b in range(stop)]
+    return order
+
+
+def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int, *, is_causal=False):
+    r"""The tiled (FlashAttention-2) loop: what sits in fast memory, what stays in slow memory.
 
     Top, slow memory: :math:`Q` ``(T, Dk)`` cut into blocks of ``Bq`` rows, :math:`K^\top`
     ``(Dk, S)`` and :math:`V` ``(S, Dv)`` into blocks of ``Bk`` keys, the output :math:`O`
     ``(T, Dv)`` and :math:`\operatorname{lse}` ``(T,)``; the scores ``(T, S)`` are never stored,
-    only visited tile by tile, in the numbered order (for each query block, every key block).
-    Bottom, fast memory: one query block :math:`Q_i`, one key/value block :math:`K_j, V_j`,
-    the score tile ``(Bq, Bk)``, and the running :math:`m`, :math:`\ell` and accumulator of
-    the query block. Heavy outlines mark the blocks of the tile being computed.
+    only computed tile by tile, each tile numbered in the order the loop computes it (for each
+    query block, the key blocks left to right) where the number fits. Bottom, fast memory: one
+    query block :math:`Q_i`, one key/value block :math:`K_j, V_j`, the score tile
+    ``(Bq, Bk)``, and the running :math:`m`, :math:`\ell` and accumulator of the query block;
+    arrows between the two load and write. Heavy outlines mark a tile being computed and the
+    blocks it reads and writes.
+
+    With ``is_causal`` (query ``i`` attends keys ``j <= i``, aligned top left): the masked
+    scores, above the diagonal, are grey; the tiles entirely above it are skipped (no number,
+    a dashed outline) and the loop's numbers count only the tiles computed.
 
     Parameters
     ----------
@@ -108,17 +153,19 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
         blocks along each side).
     Dk, Dv : int
         Query/key and value widths.
+    is_causal : bool, default False
+        Draw the causal loop: masked scores, skipped tiles, numbers of the tiles computed.
 
     Returns
     -------
     matplotlib.figure.Figure
-        The diagram: white, at most ``sdpa_book.figures.FULL_WIDTH`` wide, not registered
-        with pyplot.
+        The diagram: white, at most 3.7 in wide (a phone's column), not registered with
+        pyplot.
 
     Raises
     ------
     TypeError
-        If a size is not an integer.
+        If a size is not an integer, or ``is_causal`` not a bool.
     ValueError
         If a size is not positive, a tile is larger than its side (``Bq > T``, ``Bk > S``), or
         there are more than 12 blocks along a side.
@@ -132,11 +179,19 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
      '(2, 3)', '(2, 4)', '(2, 2)', '(2,)', '(2,)', '(3, 4)', '(4, 2)']
     >>> [t for t in texts if t.isdigit()]  # the tiles' order: 3 query blocks x 2 key blocks
     ['1', '2', '3', '4', '5', '6']
+
+    Causal, the tiles of keys 4 to 7 for queries 0 to 3 lie above the diagonal: never
+    computed, and the loop's numbers count the four it computes.
+
+    >>> texts = figure_texts(flash_loop_diagram(6, 8, 2, 4, 3, 2, is_causal=True))
+    >>> [t for t in texts if t.isdigit()]
+    ['1', '2', '3', '4']
     """
     T, S, Bq, Bk, Dk, Dv = (
         _positive_int(v, n)
         for v, n in ((T, "T"), (S, "S"), (Bq, "Bq"), (Bk, "Bk"), (Dk, "Dk"), (Dv, "Dv"))
     )
+    is_causal = _flag(is_causal, "is_causal")
     if Bq > T:
         raise ValueError(
             f"Bq must be at most T: a query block holds at most T rows; got Bq={Bq}, T={T}"
@@ -145,32 +200,32 @@ def flash_loop_diagram(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int):
         raise ValueError(
             f"Bk must be at most S: a key block holds at most S keys; got Bk={Bk}, S={S}"
         )
-    n_q, n_k = -(-T // Bq), -(-S // Bk)
-    _at_most(n_q, 12, "the number of query blocks T / Bq")
-    _at_most(n_k, 12, "the number of key blocks S / Bk")
-    current = (min(1, n_q - 1), min(1, n_k - 1))  # the tile being computed: (i, j)
+    _at_most(-(-T // Bq), 12, "the number of query blocks T / Bq")
+    _at_most(-(-S // Bk), 12, "the number of key blocks S / Bk")
+    tiles = _Tiles(T, S, Bq, Bk, _visit_order(T, S, Bq, Bk, is_causal), is_causal)
+    current = _current(tiles)
     slow, fast = _memories(T, S, Bq, Bk, Dk, Dv)
-    labels = {
-        k: _stack_size(_label_lines(it.name, it.dims, it.shape, "s", "s")["s"])
-        for k, it in {**slow.items, **fast.items}.items()
-    }
-    loop_w = max(text_size(t)[0] + d * _INDENT for d, t in _LOOP) + 0.1
     unit, width, height, plan = _fit_unit(
-        lambda unit: _layout(unit, slow, fast, labels, loop_w), 0.2, FULL_WIDTH, 5.8
+        lambda unit: _layout(unit, slow, fast), 0.2, _MAX_WIDTH, _MAX_HEIGHT
     )
     fig, ax = new_canvas(width, height)
-    slow_box = _panel(ax, slow, height - MARGIN, plan.slow.panel_h, plan.slow.right)
-    grids = _draw_memory(ax, slow, plan.slow, slow_box, unit, 0.0)
-    _draw_tiles(ax, grids["tiles"], (T, S), (Bq, Bk), current)
-    _highlight_blocks(ax, grids, (T, S, Bq, Bk, Dk, Dv), current)
-    fast_box = _panel(ax, fast, MARGIN + plan.fast_h, plan.fast_h, plan.fast.right)
-    h = plan.fast.h
-    content_h = max(h["K_j^T"], h["V_j"]) + 0.07 + h["Q_i"] + plan.fast.below
-    lift = max(0.0, (plan.fast_h - _TITLE_H - _PAD - content_h) / 2)  # centred beside the loop
-    _draw_memory(ax, fast, plan.fast, fast_box, unit, lift)
-    _draw_loop(ax, plan.fast.right + 0.3, MARGIN + plan.fast_h)
-    _draw_traffic(ax, slow_box, fast_box)
+    right = max(plan.slow.right, plan.fast.right)
+    slow_box = _panel(ax, slow, height - MARGIN, plan.slow.panel_h, right)
+    grids = _draw_memory(ax, slow, plan.slow, slow_box, unit)
+    _draw_tiles(ax, grids["tiles"], tiles, current)
+    _highlight_blocks(ax, grids, (T, S, Dk, Dv), tiles.span(*current))
+    fast_top = slow_box.y0 - _ARROWS_H
+    fast_box = _panel(ax, fast, fast_top, plan.fast.panel_h, right)
+    _draw_memory(ax, fast, plan.fast, fast_box, unit)
+    _draw_traffic(ax, slow_box, fast_box, plan.arrows)
     return fig
+
+
+def _current(tiles: _Tiles) -> tuple[int, int]:
+    """The tile shown being computed: the second key block of the second query block, or the
+    nearest one the loop computes."""
+    a = min(1, tiles.order[-1][0])
+    return max((t for t in tiles.order if t[0] == a and t[1] <= 1), key=lambda t: t[1])
 
 
 def _memories(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int) -> tuple[_Memory, _Memory]:
@@ -180,7 +235,7 @@ def _memories(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int) -> tuple[_Memo
         SLOW_MEMORY,
         {
             "Q": _Item((T, Dk), ("T", "D_k"), "$Q$", QUERY, (Bq, None)),
-            "tiles": _Item((T, S), ("T", "S"), "scores: never stored", SCORES, (Bq, Bk)),
+            "tiles": _Item((T, S), ("T", "S"), "scores,\nnever stored", SCORES, (Bq, Bk)),
             "O": _Item((T, Dv), ("T", "D_v"), "$O$", OUTPUT, (Bq, None)),
             "lse": _Item((T,), ("T",), "lse", OUTPUT, (Bq, None)),
             "K^T": _Item((Dk, S), ("D_k", "S"), "$K^\\top$", KEY, (None, Bk)),
@@ -207,41 +262,64 @@ def _memories(T: int, S: int, Bq: int, Bk: int, Dk: int, Dv: int) -> tuple[_Memo
     return slow, fast
 
 
-def _layout(unit: float, slow: _Memory, fast: _Memory, labels, loop_w: float):
-    """``(width, height, plan)`` for cells of side ``unit``: slow memory on top, fast memory
-    and the loop below."""
-    s = _memory_layout(unit, slow, labels)
-    f = _memory_layout(unit, fast, labels)
-    loop_h = len(_LOOP) * _LOOP_STEP + _line_height(NAME_PT)
-    fast_h = max(f.panel_h, loop_h + _TITLE_H + _PAD)  # the loop is written beside it
-    width = max(s.right, f.right + 0.3 + loop_w) + MARGIN + 0.05
-    height = MARGIN + s.panel_h + 0.55 + fast_h + MARGIN
-    return width, height, _FlashPlan(s, f, fast_h)
+# --------------------------------------------------------------------------------------------
+# Layout
 
 
-def _memory_layout(unit: float, memory: _Memory, labels) -> _MemoryPlan:
+def _stack(lines: list[tuple[str, float]]) -> tuple[float, float]:
+    """Width and height of a stack of label lines."""
+    width = max(text_size(t, pt)[0] for t, pt in lines)
+    return width, sum(_line_height(pt) for _, pt in lines)
+
+
+def _layout(unit: float, slow: _Memory, fast: _Memory):
+    """``(width, height, plan)`` for cells of side ``unit``: slow memory, the traffic and fast
+    memory, stacked."""
+    s, f = _memory_layout(unit, slow), _memory_layout(unit, fast)
+    x0 = MARGIN + _PAD + 0.2
+    widths = [text_size(label, _MATH_PT)[0] + 0.06 + 0.25 for label in _ARROW_LABELS]
+    arrows = _pack([0.0] * len(widths), widths[:-1], start=x0)
+    width = max(s.right, f.right, arrows[-1] + widths[-1]) + MARGIN
+    height = MARGIN + s.panel_h + _ARROWS_H + f.panel_h + MARGIN
+    return width, height, _FlashPlan(s, f, arrows)
+
+
+def _memory_layout(unit: float, memory: _Memory) -> _MemoryPlan:
     """The bottom row's places (each gap clearing the labels), the panel's right edge and
-    height."""
-    size = {k: _matrix_size(it.shape, unit, column=k in _UPRIGHT) for k, it in memory.items.items()}
+    height (the title beside the grids standing on the row, where they leave room)."""
+    items = memory.items
+    size = {k: _matrix_size(it.shape, unit, column=k in _UPRIGHT) for k, it in items.items()}
     w = {k: wh[0] for k, wh in size.items()}
     h = {k: wh[1] for k, wh in size.items()}
+    labels = {k: _stack(it.labels()) for k, it in items.items()}
     row = memory.row
-    (left, _, _), (right, under_right, _) = memory.over
-    first, last = row[0], row[-1]
-    x0 = MARGIN + _PAD
-    x0 += max(0.0, (labels[first][0] - w[first]) / 2, labels[left][0] + 0.12 - w[first] - 0.1)
     gaps = [
         _clear_gap(w[a], w[b], labels[a][0], labels[b][0], 0.12, 0.07) for a, b in zip(row, row[1:])
     ]
-    x = dict(zip(row, _pack([w[k] for k in row], gaps, start=x0)))
-    right_edge = max(
-        x[last] + w[last] / 2 + labels[last][0] / 2,
-        x[under_right] + w[under_right] + 0.1 + labels[right][0],
-    )
+    x = dict(zip(row, _pack([w[k] for k in row], gaps)))
+    # Above the bottom row: the grids standing on it and their labels, as (left, right, top),
+    # the tops measured from the row's top.
+    above = []
+    for k, under, side in memory.over:
+        label_w, label_h = labels[k]
+        label_x = x[under] - _BESIDE - label_w if side == "left" else x[under] + w[k] + _BESIDE
+        label_top = max(0.07 + h[k] / 2 + label_h / 2, 0.1 + label_h)
+        above += [(x[under], x[under] + w[k], 0.07 + h[k] + 0.06)]  # 0.06 below the panel's top
+        above += [(label_x, label_x + label_w, label_top + 0.03)]
+    spans = [(x[k] + (w[k] - max(w[k], labels[k][0])) / 2, w[k], labels[k][0]) for k in row]
+    shift = MARGIN + _PAD - min([left for left, _, _ in spans] + [a[0] for a in above])
+    x = {k: v + shift for k, v in x.items()}
+    right = max([left + max(wk, lw) for left, wk, lw in spans] + [a[1] for a in above]) + shift
+    title_end = MARGIN + _PAD + text_size(memory.title, _MATH_PT)[0] + 0.1
+    under_title = [top for left, _, top in above if left + shift < title_end]
+    band = max([top for _, _, top in above] + [max(under_title, default=0.0) + _TITLE_H])
     below = max(labels[k][1] for k in row) + 0.06
-    top_h = max(h[left], h[right], labels[right][1], labels[left][1])
-    panel_h = _TITLE_H + top_h + 0.07 + h[first] + below + _PAD
-    return _MemoryPlan(x, h, right_edge + _PAD, panel_h, below)
+    panel_h = band + max(h[k] for k in row) + below + _PAD
+    return _MemoryPlan(x, w, h, right + _PAD, panel_h, below)
+
+
+# --------------------------------------------------------------------------------------------
+# Drawing
 
 
 def _panel(ax, memory: _Memory, y_top: float, panel_h: float, right: float) -> Rect:
@@ -258,56 +336,65 @@ def _panel(ax, memory: _Memory, y_top: float, panel_h: float, right: float) -> R
         tag=memory.title,
     )
     ax.text(
-        MARGIN + _PAD, y_top - 0.05, memory.title, ha="left", va="top", fontsize=NAME_PT, color=INK
+        MARGIN + _PAD,
+        y_top - 0.05,
+        memory.title,
+        ha="left",
+        va="top",
+        fontsize=_MATH_PT,
+        color=INK,
     )
     return rect
 
 
-def _draw_memory(ax, memory: _Memory, plan: _MemoryPlan, box: Rect, unit: float, lift: float):
-    """The bottom row of grids (``lift`` above the panel's bottom and the labels), then the two
-    grids standing on it; ``{tag: Rect}``."""
-    y_row = box.y0 + _PAD + plan.below + lift
+def _write(ax, rect: Rect, side: str, lines, floor: float | None = None) -> None:
+    """Label lines below a grid (centred), or beside it (centred on it, above ``floor``)."""
+    total = sum(_line_height(pt) for _, pt in lines)
+    if side == "below":
+        x, y, ha = rect.cx, rect.y0 - 0.05, "center"
+    else:
+        x = rect.x0 - _BESIDE if side == "left" else rect.x1 + _BESIDE
+        ha = "right" if side == "left" else "left"
+        y = max(rect.cy + total / 2, (floor or -1e9) + total)
+    for text, pt in lines:
+        step = _line_height(pt)
+        ax.text(x, y - step / 2, text, ha=ha, va="center_baseline", fontsize=pt, color=INK)
+        y -= step
+
+
+def _draw_memory(ax, memory: _Memory, plan: _MemoryPlan, box: Rect, unit: float):
+    """The bottom row of grids, then the two grids standing on it; ``{tag: Rect}``."""
+    y_row = box.y0 + _PAD + plan.below
     grids = {}
     for k in memory.row:
         it = memory.items[k]
-        grids[k] = draw_matrix(
-            ax,
-            plan.x[k],
-            y_row,
-            it.shape,
-            unit=unit,
-            color=it.color,
-            name=it.name,
-            dims=it.dims,
-            name_at="below",
-            shape_at="below",
-            tag=k,
-            row_blocks=it.blocks[0],
-            col_blocks=it.blocks[1],
-            linestyle="--" if k == "tiles" else "-",
-            fill=0.2 if k == "tiles" else 0.35,
-            column=k in _UPRIGHT,
-        )
-    floor = grids[memory.row[0]].y1 + 0.1
+        grids[k] = _grid(ax, plan.x[k], y_row, it, unit, k)
+        _write(ax, grids[k], "below", it.labels())
+    floor = max(grids[k].y1 for k in memory.row) + 0.1
     for k, under, side in memory.over:
         it = memory.items[k]
-        grids[k] = draw_matrix(
-            ax,
-            plan.x[under],
-            grids[under].y1 + 0.07,
-            it.shape,
-            unit=unit,
-            color=it.color,
-            name=it.name,
-            dims=it.dims,
-            name_at=side,
-            shape_at=side,
-            tag=k,
-            row_blocks=it.blocks[0],
-            col_blocks=it.blocks[1],
-            label_floor=floor,
-        )
+        grids[k] = _grid(ax, plan.x[under], grids[under].y1 + 0.07, it, unit, k)
+        _write(ax, grids[k], side, it.labels(), floor=floor)
     return grids
+
+
+def _grid(ax, x: float, y: float, it: _Item, unit: float, tag: str) -> Rect:
+    return draw_matrix(
+        ax,
+        x,
+        y,
+        it.shape,
+        unit=unit,
+        color=it.color,
+        name_at=None,
+        shape_at=None,
+        tag=tag,
+        row_blocks=it.blocks[0],
+        col_blocks=it.blocks[1],
+        linestyle="--" if tag == "tiles" else "-",
+        fill=0.2 if tag == "tiles" else 0.35,
+        column=tag in _UPRIGHT,
+    )
 
 
 def _highlight(ax, rect: Rect, color):
@@ -317,31 +404,69 @@ def _highlight(ax, rect: Rect, color):
     _outline(ax, rect, INK, linewidth=2.0, fill=to_rgba(color, 0.55))
 
 
-def _draw_tiles(ax, tiles: Rect, sizes, blocks, current) -> None:
-    """Number the score tiles in loop order (where the number fits); highlight the current."""
-    (T, S), (Bq, Bk) = sizes, blocks
-    n_q, n_k = -(-T // Bq), -(-S // Bk)
-    for a in range(n_q):
-        for b in range(n_k):
-            part = _block_rect(
-                tiles, (T, S), (a * Bq, min(T, (a + 1) * Bq)), (b * Bk, min(S, (b + 1) * Bk))
-            )
-            if (a, b) == current:
-                _highlight(ax, part, SCORES)
-            number = str(a * n_k + b + 1)
-            number_w = text_size(number, LABEL_PT)[0]
-            if number_w + 0.04 <= part.width and _DIGIT_H + 0.04 <= part.height:
-                ax.text(
-                    part.cx, part.cy, number, ha="center", va="center", fontsize=LABEL_PT, color=INK
-                )
+def _draw_tiles(ax, grid: Rect, tiles: _Tiles, current: tuple[int, int]) -> None:
+    """Grey the masked scores and dash the skipped tiles (causal); highlight the current
+    tile; number the tiles computed, in the loop's order, where the number fits."""
+    size = (tiles.T, tiles.S)
+    if tiles.is_causal:
+        _draw_masked(ax, grid, tiles.T, tiles.S)
+        computed = set(tiles.order)
+        for a in range(-(-tiles.T // tiles.Bq)):
+            for b in range(-(-tiles.S // tiles.Bk)):
+                if (a, b) not in computed:
+                    _skipped(ax, _block_rect(grid, size, *tiles.span(a, b)), (a, b))
+    _highlight(ax, _block_rect(grid, size, *tiles.span(*current)), SCORES)
+    for number, (a, b) in enumerate(tiles.order, start=1):
+        part = _block_rect(grid, size, *tiles.span(a, b))
+        text = str(number)
+        if text_size(text, _TEXT_PT)[0] + 0.04 <= part.width and _DIGIT_H + 0.04 <= part.height:
+            ax.text(part.cx, part.cy, text, ha="center", va="center", fontsize=_TEXT_PT, color=INK)
 
 
-def _highlight_blocks(ax, grids, sizes, current) -> None:
+def _skipped(ax, rect: Rect, tile: tuple[int, int]) -> None:
+    """A tile the loop never computes: a dashed outline, tagged ``"skipped a,b"``."""
+    from matplotlib.patches import Rectangle
+
+    outline = Rectangle(
+        (rect.x0, rect.y0),
+        rect.width,
+        rect.height,
+        facecolor="none",
+        edgecolor=INK,
+        linewidth=0.8,
+        linestyle=(0, (2, 2)),
+        label=f"_tag skipped {tile[0]},{tile[1]}",
+    )
+    _add(ax, outline)
+
+
+def _draw_masked(ax, grid: Rect, T: int, S: int) -> None:
+    """The causal mask's hidden scores, key ``j`` after query ``i``: one grey staircase."""
+    from matplotlib.patches import Polygon
+
+    cell_w, cell_h = grid.width / S, grid.height / T
+    n = min(T, S)
+    corners = [(S, 0), (1, 0)]  # (key, query) corners, queries counted downwards
+    for i in range(n):
+        corners += [(i + 1, i + 1), (i + 2, i + 1)] if i + 1 < n else [(i + 1, i + 1)]
+    corners.append((S, n))
+    points = [(grid.x0 + j * cell_w, grid.y1 - i * cell_h) for j, i in corners]
+    _add(
+        ax,
+        Polygon(
+            points,
+            closed=True,
+            facecolor=_mix(MASKED_COLOR, 0.55),
+            edgecolor="none",
+            label="_masked tiles",
+        ),
+    )
+
+
+def _highlight_blocks(ax, grids, sizes, span) -> None:
     """Highlight the blocks of Q, O, lse, K^T and V that the current tile reads and writes."""
-    T, S, Bq, Bk, Dk, Dv = sizes
-    i, j = current
-    rows_i = (i * Bq, min(T, (i + 1) * Bq))
-    cols_j = (j * Bk, min(S, (j + 1) * Bk))
+    T, S, Dk, Dv = sizes
+    rows_i, cols_j = span
     _highlight(ax, _block_rect(grids["Q"], (T, Dk), rows_i, (0, Dk)), QUERY)
     _highlight(ax, _block_rect(grids["O"], (T, Dv), rows_i, (0, Dv)), OUTPUT)
     _highlight(ax, _block_rect(grids["lse"], (T, 1), rows_i, (0, 1)), OUTPUT)
@@ -349,21 +474,9 @@ def _highlight_blocks(ax, grids, sizes, current) -> None:
     _highlight(ax, _block_rect(grids["V"], (S, Dv), cols_j, (0, Dv)), VALUE)
 
 
-def _draw_loop(ax, x: float, y_top: float) -> None:
-    """The loop's pseudo-code, on fixed baselines whatever the height of the maths."""
-    ax.text(x, y_top - 0.05, "the loop", ha="left", va="top", fontsize=NAME_PT, color=INK)
-    y = y_top - _TITLE_H - 0.1
-    for depth, text in _LOOP:
-        ax.text(
-            x + depth * _INDENT, y, text, ha="left", va="baseline", fontsize=LABEL_PT, color=INK
-        )
-        y -= _LOOP_STEP
-
-
-def _draw_traffic(ax, slow_box: Rect, fast_box: Rect) -> None:
+def _draw_traffic(ax, slow_box: Rect, fast_box: Rect, xs: list[float]) -> None:
     """Traffic between the two memories: loads into fast memory, the results written back."""
     y_a, y_b = slow_box.y0 - 0.04, fast_box.y1 + 0.04
-    for n, text in enumerate(_ARROW_LABELS):
-        x_arrow = fast_box.x0 + fast_box.width * (0.2 + 0.3 * n)
-        ends = ((x_arrow, y_b), (x_arrow, y_a)) if n == 2 else ((x_arrow, y_a), (x_arrow, y_b))
-        draw_arrow(ax, *ends, label=text, label_side="right")
+    for n, (x, text) in enumerate(zip(xs, _ARROW_LABELS)):
+        ends = ((x, y_b), (x, y_a)) if n == 2 else ((x, y_a), (x, y_b))
+        draw_arrow(ax, *ends, label=text, label_side="right", fontsize=_pt(text))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 
@@ -15,8 +16,10 @@ from .primitives import (
     INK,
     LABEL_PT,
     MAX_CELLS,
+    NAME_PT,
     Rect,
     _fmt_value,
+    _fontsize,
     _grid_shape,
     _label_lines,
     _matrix_size,
@@ -73,6 +76,10 @@ def draw_matrix(
     label_align: str = "center",
     column: bool = False,
     tag: str | None = None,
+    name_pt: float = NAME_PT,
+    label_pt: float = LABEL_PT,
+    value_pt: float = LABEL_PT,
+    decimals: int | None = None,
 ) -> Rect:
     """A matrix drawn as a grid of cells, its bottom left at ``(x, y)``, labelled with its shape.
 
@@ -100,7 +107,8 @@ def draw_matrix(
         Where the name and the shape labels go (None: not drawn). On the same side, the name
         comes first.
     values : array_like of shape ``shape``, optional
-        Numbers written in the cells (two decimals) when every one of them fits its cell.
+        Numbers written in the cells (with ``decimals`` decimals) when every one of them fits
+        its cell.
     masked : array_like of bool of shape ``shape``, optional
         Cells drawn in ``sdpa_book.figures.MASKED_COLOR`` (``True`` = masked).
     row_blocks, col_blocks : int, optional
@@ -124,6 +132,11 @@ def draw_matrix(
         Stored as the label ``"_tag <tag>"`` of the grid's outline (a patch), so that tests
         can find the grid (:func:`tagged_rects`), and ``"_masked <tag>"`` of the path of its
         masked cells; not shown.
+    name_pt, label_pt, value_pt : float, default 10, 9, 9
+        Font sizes, in points, of the name, of the two shape labels and of the values; each at
+        least ``sdpa_book.figures.MIN_FONT_PT``.
+    decimals : int, optional
+        Decimals of the values written in the cells; default two (one from 10 on).
 
     Returns
     -------
@@ -133,10 +146,11 @@ def draw_matrix(
     Raises
     ------
     TypeError
-        If a size of ``shape`` is not an integer.
+        If a size of ``shape`` or ``decimals`` is not an integer.
     ValueError
         If ``shape`` is not one or two positive sizes, ``dims`` does not match it,
-        ``values``/``masked`` have another shape, or a label side is unknown.
+        ``values``/``masked`` have another shape, a label side is unknown, a font size is
+        under ``MIN_FONT_PT`` or ``decimals`` outside 0 to 6.
 
     Examples
     --------
@@ -153,7 +167,10 @@ def draw_matrix(
     from matplotlib.patches import Rectangle
 
     shape, hidden, values = _checked_matrix(shape, dims, masked, values)
-    labels = _checked_labels(_label_lines(name, dims, shape, name_at, shape_at))
+    name_pt, label_pt, value_pt = (_fontsize(f) for f in (name_pt, label_pt, value_pt))
+    decimals = _checked_decimals(decimals)
+    sides = _label_lines(name, dims, shape, name_at, shape_at, name_pt, label_pt)
+    labels = _checked_labels(sides)
     rows, cols = _grid_shape(shape, column)
     width, height = _matrix_size(shape, unit, min_size, column)
     grid = _Grid(x, y, width, height, rows, cols)
@@ -178,7 +195,7 @@ def draw_matrix(
         ),
     )
     if values is not None:
-        _draw_values(ax, grid, values.reshape(rows, cols))
+        _draw_values(ax, grid, values.reshape(rows, cols), value_pt, decimals)
     rect = Rect(x, y, x + width, y + height)
     for side, lines in labels.items():
         _label_stack(ax, rect, side, lines, floor=label_floor, align=label_align)
@@ -204,6 +221,17 @@ def _checked_matrix(shape, dims, masked, values):
             raise ValueError(f"values must have the matrix's shape {shape}; got {np.shape(values)}")
         values = np.asarray(values, dtype=float)
     return shape, masked, values
+
+
+def _checked_decimals(decimals) -> int | None:
+    """``decimals`` as an int from 0 to 6, or None."""
+    if decimals is None:
+        return None
+    if isinstance(decimals, (bool, np.bool_)) or not isinstance(decimals, Integral):
+        raise TypeError(f"decimals must be None or an integer; got {decimals!r}")
+    if not 0 <= decimals <= 6:
+        raise ValueError(f"decimals must lie in [0, 6]; got {decimals!r}")
+    return int(decimals)
 
 
 def _checked_labels(
@@ -301,11 +329,13 @@ def _draw_block_lines(ax, grid: _Grid, color, row_blocks, col_blocks) -> None:
         _add(ax, LineCollection(blocks, colors=[color], linewidths=1.6))
 
 
-def _draw_values(ax, grid: _Grid, values: np.ndarray) -> None:
+def _draw_values(
+    ax, grid: _Grid, values: np.ndarray, fontsize: float = LABEL_PT, decimals: int | None = None
+) -> None:
     """Write ``values`` (rows, cols) in the cells, only if every number fits its cell."""
-    labels = [[_fmt_value(v) for v in row] for row in values]
-    widest = max(text_size(t)[0] for row in labels for t in row)
-    if grid.cell_w < widest + 0.06 or grid.cell_h < 0.17:
+    labels = [[_fmt_value(v, decimals) for v in row] for row in values]
+    widest = max(text_size(t, fontsize)[0] for row in labels for t in row)
+    if grid.cell_w < widest + 0.06 or grid.cell_h < 0.17 * fontsize / LABEL_PT:
         return
     top = grid.y + grid.height
     for i, row in enumerate(labels):
@@ -316,7 +346,7 @@ def _draw_values(ax, grid: _Grid, values: np.ndarray) -> None:
                 text,
                 ha="center",
                 va="center",
-                fontsize=LABEL_PT,
+                fontsize=fontsize,
                 color=INK,
             )
 

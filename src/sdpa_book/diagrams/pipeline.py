@@ -8,27 +8,31 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..figures import FULL_WIDTH, KEY, OUTPUT, QUERY, VALUE
+from ..figures import KEY, OUTPUT, QUERY, VALUE
 from .draw import draw_arrow, draw_box, new_canvas
 from .matrix import draw_matrix
 from .primitives import (
     MARGIN,
-    NAME_PT,
+    MATH_PT,
     NEUTRAL,
+    PHONE_WIDTH,
     SCORES,
-    _clear_gap,
+    TEXT_PT,
     _extent,
     _fit_unit,
     _flag,
     _label_lines,
     _pack,
+    _phone_pt,
     _positive_int,
     _stack_size,
     text_size,
 )
 
-_ARROW = 0.32  # length of the arrows between the scores, the steps and the weights
-_GAP = 0.07  # between a product and the matrices it is made of
+_NAME_PT = 12  # the names of the grids
+_ARROW = 0.2  # least length of the arrows down from the scores, through the steps, to A
+_GAP = 0.07  # between a product and the matrix above it
+_SLOT_GAP = 0.15  # between the three columns
 _TAGS = {"Q": "Q", "Kt": "K^T", "Z": "scores", "A": "weights", "V": "V", "O": "O"}
 _WORDS = {
     "Q": "queries ",
@@ -38,7 +42,9 @@ _WORDS = {
     "V": "values ",
     "O": "out ",
 }
-_BOTTOM = ("Q", "Z", "A", "O")  # the bottom row; K^T stands above the scores, V above O
+# Where each grid's labels go: Q, A and O below, K^T on the left (above Q), the scores on the
+# right; V's on its right where the width allows, else above it (_Plan.v_side).
+_SIDES = {"Q": "below", "Kt": "left", "Z": "right", "A": "below", "O": "below"}
 
 
 class _Spec(NamedTuple):
@@ -51,6 +57,7 @@ class _Spec(NamedTuple):
 @dataclass(frozen=True)
 class _Step:
     text: str
+    fontsize: float
     width: float
     height: float
 
@@ -59,10 +66,12 @@ class _Step:
 class _Plan:
     """Where the grids and steps go, for one cell side."""
 
-    x: dict[str, float]  # left of each grid of the bottom row (K^T, V stand on Z and O)
-    steps_x: list[float]  # left of each step box
-    y_q: float  # bottom of the bottom row's grids
-    floor: float  # labels beside K^T and V stay above this height (clear of the steps)
+    x: dict[str, float]  # left of each grid
+    y: dict[str, float]  # bottom of each grid
+    steps_y: list[float]  # bottom of each step box, from the top one down
+    centre: float  # x of the middle column: the scores, the steps and the weights
+    floor: float  # the labels beside K^T stay above this height (clear of Q)
+    v_side: str  # where V's labels go: "right" or "above"
 
 
 def attention_pipeline_diagram(
@@ -71,11 +80,13 @@ def attention_pipeline_diagram(
     r"""The whole computation with its shapes: ``Q, K -> scores -> scale -> mask -> softmax ->
     weights -> @ V -> out``.
 
-    The matrices are grids whose proportions follow the sizes, laid out as in a hand
-    multiplication: :math:`K^\top` sits above the scores :math:`QK^\top` (row ``i`` of
-    :math:`Q` meets column ``j`` of :math:`K^\top` in score ``(i, j)``), and :math:`V` above
-    the output :math:`O = AV`. Between the scores and the weights :math:`A` come the steps of
-    the softmax; the arrow into the softmax carries :math:`Z`, the scaled, masked scores.
+    The matrices are grids whose proportions follow the sizes, laid out as two hand
+    multiplications, one above the other, so that the drawing stays narrow enough for a
+    phone. At the top :math:`K^\top` sits above the scores :math:`QK^\top`, with :math:`Q` on
+    their left (row ``i`` of :math:`Q` meets column ``j`` of :math:`K^\top` in score
+    ``(i, j)``). The steps of the softmax lead down from the scores to the weights :math:`A`;
+    the arrow into the softmax carries :math:`Z`, the scaled, masked scores. At the bottom
+    :math:`V` sits above the output :math:`O = AV`, with :math:`A` on its left.
 
     Parameters
     ----------
@@ -85,13 +96,13 @@ def attention_pipeline_diagram(
         Draw the masking step (a causal mask, top-left aligned as in
         :func:`sdpa.causal_mask`; the weights it sets to zero are grey).
     compact : bool, default False
-        A smaller version (about 4.8 in wide): symbols only, the three steps in one box.
+        A smaller version: symbols only, the steps in one box.
 
     Returns
     -------
     matplotlib.figure.Figure
-        The diagram: white, at most ``sdpa_book.figures.FULL_WIDTH`` wide, not registered
-        with pyplot.
+        The diagram: white, at most 3.7 in wide (it reads on a phone), not registered with
+        pyplot.
 
     Raises
     ------
@@ -112,11 +123,18 @@ def attention_pipeline_diagram(
     compact = _flag(compact, "compact")
     specs = _specs(T, S, Dk, Dv, compact)
     steps = _steps(mask, compact)
-    unit, width, height, plan = _fit_unit(
-        lambda unit: _layout(unit, specs, steps),
-        0.16 if compact else 0.22,
-        4.8 if compact else FULL_WIDTH,
-        2.6 if compact else 3.6,
+    # V's labels beside it make a shorter drawing, above it a narrower one: the larger cells win.
+    unit, width, height, plan = max(
+        (
+            _fit_unit(
+                lambda unit, side=side: _layout(unit, specs, steps, compact, side),
+                0.18 if compact else 0.2,
+                PHONE_WIDTH,
+                4.4 if compact else 5.2,
+            )
+            for side in ("right", "above")
+        ),
+        key=lambda fit: (round(fit[0], 6), -fit[2]),
     )
     fig, ax = new_canvas(width, height)
     grids = _draw_grids(ax, specs, plan, unit, T, S, mask)
@@ -141,59 +159,74 @@ def _specs(T: int, S: int, Dk: int, Dv: int, compact: bool) -> dict[str, _Spec]:
 
 
 def _steps(mask: bool, compact: bool) -> list[_Step]:
-    """The steps between the scores and the weights (compact: all in one box)."""
-    texts = ["$\\div\\sqrt{D_k}$"] + (["causal\nmask"] if mask else []) + ["softmax"]
+    """The steps between the scores and the weights, from the top (compact: all in one box)."""
+    texts = ["$\\div\\sqrt{D_k}$"] + (["causal mask"] if mask else []) + ["softmax"]
     if compact:
-        texts = ["\n".join(t.replace("\n", " ") for t in texts)]
-    sizes = [text_size(t, NAME_PT) for t in texts]
-    return [_Step(t, w + 0.2, h + 0.14) for t, (w, h) in zip(texts, sizes)]
+        texts = ["\n".join(texts)]
+    pts = [_phone_pt(t, TEXT_PT) for t in texts]  # the box of three: all at the root's size
+    sizes = [text_size(t, pt) for t, pt in zip(texts, pts)]
+    return [_Step(t, pt, w + 0.2, h + 0.1) for t, pt, (w, h) in zip(texts, pts, sizes)]
 
 
-def _layout(unit: float, specs: dict[str, _Spec], steps: list[_Step]):
-    """``(width, height, plan)`` for cells of side ``unit``: the bottom row Q, scores, steps,
-    weights, O, from left to right; K^T above the scores, V above O."""
-    labels = {
-        k: _stack_size(_label_lines(s.name, s.dims, s.shape, "s", "s")["s"])
-        for k, s in specs.items()
-    }
+def _labels(spec: _Spec) -> tuple[float, float]:
+    """Width and height of a grid's label stack: name, symbolic and numeric shape."""
+    return _stack_size(
+        _label_lines(spec.name, spec.dims, spec.shape, "s", "s", _NAME_PT, MATH_PT)["s"]
+    )
+
+
+def _layout(unit: float, specs: dict[str, _Spec], steps: list[_Step], compact: bool, v_side: str):
+    """``(width, height, plan)`` for cells of side ``unit``: three columns, Q | K^T over the
+    scores, the steps, A | V over O, the top block above the bottom one; V's labels on
+    ``v_side`` (``"right"`` or ``"above"``)."""
+    labels = {k: _labels(s) for k, s in specs.items()}
     w = {k: _extent(s.shape[1], unit, 0.1) for k, s in specs.items()}
     h = {k: _extent(s.shape[0], unit, 0.1) for k, s in specs.items()}
-    step_w = [s.width for s in steps]
-    step_h = max(s.height for s in steps)
+    z_w = 0 if compact else text_size("$Z$", MATH_PT)[0] + 0.08  # beside the arrow into softmax
+    slots = [
+        max(w["Q"], labels["Q"][0], labels["Kt"][0]),
+        max(w["Z"], labels["A"][0], *(s.width for s in steps), 2 * z_w),
+        max(w["O"], labels["O"][0], labels["V"][0] if v_side == "above" else 0.0),
+    ]
+    starts = _pack(slots, _SLOT_GAP, start=MARGIN)
+    x = {
+        "Q": starts[0] + (slots[0] - w["Q"]) / 2,
+        "Z": starts[1] + (slots[1] - w["Z"]) / 2,
+        "O": starts[2] + (slots[2] - w["O"]) / 2,
+    }
+    x["Kt"], x["A"], x["V"] = x["Z"], x["Z"], x["O"]
+    right = x["Z"] + w["Z"] + 0.07 + labels["Z"][0]  # the scores' labels, beside them
+    if v_side == "right":
+        right = max(right, x["V"] + w["V"] + 0.07 + labels["V"][0])
+    width = max(starts[2] + slots[2], right) + MARGIN
 
-    def gap(a, b):  # between two grids of the bottom row, their labels apart
-        return _clear_gap(w[a], w[b], labels[a][0], labels[b][0], 0.15, _GAP)
-
-    def row(arrow):  # x of Q, the scores, each step, the weights and O
-        sizes = [w["Q"], w["Z"], *step_w, w["A"], w["O"]]
-        gaps = [gap("Q", "Z"), *[arrow] * (len(steps) + 1), gap("A", "O")]
-        return _pack(sizes, gaps, start=MARGIN + max(0.0, (labels["Q"][0] - w["Q"]) / 2))
-
-    xs = row(_ARROW)
-    # The labels of K^T (right of it) and of V (left of it) share the space above the steps.
-    needed = xs[1] + w["Z"] + 0.1 + labels["Kt"][0] + 0.25 + labels["V"][0] + 0.1
-    if needed > xs[-1]:  # lengthen the arrows around the steps evenly
-        xs = row(_ARROW + (needed - xs[-1]) / (len(steps) + 1))
-    x = {"Q": xs[0], "Z": xs[1], "A": xs[-2], "O": xs[-1]}
-    width = x["O"] + w["O"] + max(0.0, (labels["O"][0] - w["O"]) / 2) + MARGIN
-
-    below = max(labels[k][1] for k in _BOTTOM) + 0.06  # the labels under the bottom row
-    y_row = MARGIN + below
-    row_h = max(h["Q"], step_h)  # the bottom row is centred on the taller of Q and the steps
-    y_top_row = y_row + (row_h + h["Q"]) / 2 + _GAP
-    floor = y_row + row_h / 2 + step_h / 2 + 0.05
-    top = max(
-        y_top_row + max(h["Kt"], h["V"]),
-        *(max(y_top_row + h[k] / 2 + labels[k][1] / 2, floor + labels[k][1]) for k in ("Kt", "V")),
-    )
-    plan = _Plan(x, xs[2:-2], y_row + (row_h - h["Q"]) / 2, floor)
-    return width, top + MARGIN, plan
+    y = {"A": MARGIN + max(labels["A"][1], labels["O"][1]) + 0.05}
+    y["O"] = y["A"]
+    y["V"] = y["A"] + h["A"] + _GAP
+    if v_side == "above":
+        v_top = y["V"] + h["V"] + 0.05 + labels["V"][1]
+    else:  # centred beside V: the higher of its top and its labels' top
+        v_top = max(y["V"] + h["V"], y["V"] + (h["V"] + labels["V"][1]) / 2)
+    steps_h = sum(s.height for s in steps)
+    chain = steps_h + (len(steps) + 1) * _ARROW
+    # The scores' labels, beside them, stay clear above V's.
+    y["Z"] = max(y["A"] + h["A"] + chain, v_top + 0.08 + max(0.0, labels["Z"][1] - h["Z"]) / 2)
+    y["Q"] = y["Z"]
+    y["Kt"] = y["Z"] + h["Z"] + _GAP
+    arrow = (y["Z"] - y["A"] - h["A"] - steps_h) / (len(steps) + 1)  # the chain, spread evenly
+    tops = _pack([s.height for s in steps], arrow, start=y["Z"] - arrow, down=True)
+    steps_y = [top - s.height for top, s in zip(tops, steps)]
+    floor = y["Z"] + h["Z"] + 0.05  # above Q
+    kt_labels_top = max(y["Kt"] + (h["Kt"] + labels["Kt"][1]) / 2, floor + labels["Kt"][1])
+    height = max(y["Kt"] + h["Kt"], kt_labels_top) + MARGIN
+    centre = x["Z"] + w["Z"] / 2
+    return width, height, _Plan(x, y, steps_y, centre, floor, v_side)
 
 
 def _draw_grids(ax, specs, plan: _Plan, unit: float, T: int, S: int, mask: bool):
-    """The bottom row's grids, labelled below, then K^T and V above them; their rectangles."""
+    """The grids, labelled on their sides: Q, the scores, A, O, then K^T and V."""
     grids = {}
-    for key in _BOTTOM:
+    for key in ("Q", "Z", "A", "O", "Kt", "V"):
         spec = specs[key]
         masked = None
         if key == "A" and mask:
@@ -201,48 +234,50 @@ def _draw_grids(ax, specs, plan: _Plan, unit: float, T: int, S: int, mask: bool)
         grids[key] = draw_matrix(
             ax,
             plan.x[key],
-            plan.y_q,
+            plan.y[key],
             spec.shape,
             unit=unit,
             color=spec.color,
             name=spec.name,
             dims=spec.dims,
-            name_at="below",
-            shape_at="below",
+            name_at=_SIDES.get(key, plan.v_side),
+            shape_at=_SIDES.get(key, plan.v_side),
             masked=masked,
             fill=0.45 if key in ("Z", "A") else 0.35,
-            tag=_TAGS[key],
-        )
-    for key, over, side in (("Kt", "Z", "right"), ("V", "O", "left")):
-        spec = specs[key]
-        grids[key] = draw_matrix(
-            ax,
-            plan.x[over],
-            grids[over].y1 + _GAP,
-            spec.shape,
-            unit=unit,
-            color=spec.color,
-            name=spec.name,
-            dims=spec.dims,
-            name_at=side,
-            shape_at=side,
-            label_floor=plan.floor,
+            label_floor=plan.floor if key == "Kt" else None,
+            name_pt=_NAME_PT,
+            label_pt=MATH_PT,
             tag=_TAGS[key],
         )
     return grids
 
 
 def _draw_steps(ax, steps: list[_Step], plan: _Plan, grids, compact: bool) -> None:
-    """The step boxes between the scores and the weights, and the arrows through them; the
-    arrow into the softmax (compact: into the weights) carries Z."""
-    yc = grids["Z"].cy
+    """The step boxes between the scores and the weights, and the arrows down through them; the
+    arrow into the softmax carries Z (compact: the steps share one box, no arrow carries Z)."""
     boxes = [
-        draw_box(ax, sx, yc - s.height / 2, s.width, s.height, s.text, color=NEUTRAL, fill=0.1)
-        for sx, s in zip(plan.steps_x, steps)
+        draw_box(
+            ax,
+            plan.centre - s.width / 2,
+            y,
+            s.width,
+            s.height,
+            s.text,
+            color=NEUTRAL,
+            fill=0.1,
+            fontsize=s.fontsize,
+            tag=f"step {k}",
+        )
+        for k, (y, s) in enumerate(zip(plan.steps_y, steps))
     ]
-    points = [grids["Z"].right] + [p for b in boxes for p in (b.left, b.right)] + [grids["A"].left]
+    points = [grids["Z"].bottom] + [p for b in boxes for p in (b.top, b.bottom)] + [grids["A"].top]
     for i in range(0, len(points), 2):
         into_softmax = i == len(points) - 4 and not compact
-        into_weights = i == len(points) - 2 and compact
-        label = "$Z$" if into_softmax or into_weights else None
-        draw_arrow(ax, (points[i][0] + 0.03, yc), (points[i + 1][0] - 0.03, yc), label=label)
+        draw_arrow(
+            ax,
+            (plan.centre, points[i][1] - 0.03),
+            (plan.centre, points[i + 1][1] + 0.03),
+            label="$Z$" if into_softmax else None,
+            label_side="right",
+            fontsize=MATH_PT,
+        )

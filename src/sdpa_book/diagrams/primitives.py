@@ -29,6 +29,18 @@ LABEL_PT = MIN_FONT_PT  # shapes, arrow labels, legends
 MARGIN = 0.08  # inches left free around every diagram
 MAX_CELLS = 48  # a diagram draws at most this many cells along one side
 
+# Diagrams drawn to be read on a 390 px phone. The book saves a canvas W inches wide with 0.1 in
+# of padding on each side, and a phone shrinks it to the column, PHONE_COLUMN_PX CSS px, by
+# min(1, PHONE_COLUMN_PX / (96 (W + 0.2))); 1 pt is 4/3 px at full size, and a sub- or
+# superscript is drawn at SCRIPT_SHRINK of its text. A canvas at most PHONE_WIDTH wide, with
+# words and numbers at TEXT_PT and maths with scripts at MATH_PT, keeps every glyph at 9 CSS px
+# or more on the phone and 10 px or more at 1280 px (where figures keep their size).
+PHONE_COLUMN_PX = 342
+PHONE_WIDTH = 3.7  # inches: 7.7 pt scripts render at 9.4 px on the phone, 10.3 px at 1280 px
+TEXT_PT = 10  # words and numbers
+MATH_PT = 11  # text with a sub- or superscript: the scripts are 7.7 pt
+SCRIPT_SHRINK = 0.7  # Matplotlib's mathtext draws scripts at 70 % of the text
+
 
 # ----------------------------------------------------------------------------------------------
 # Validation
@@ -360,16 +372,45 @@ def _stack_size(lines: Sequence[tuple[str, float]]) -> tuple[float, float]:
     return width, sum(_stack_line_height(t, fs) for t, fs in lines)
 
 
-def _label_lines(name, dims, shape, name_at, shape_at) -> dict[str, list[tuple[str, float]]]:
-    """The label lines of a matrix, grouped by the side they go on."""
+def _label_lines(
+    name, dims, shape, name_at, shape_at, name_pt: float = NAME_PT, label_pt: float = LABEL_PT
+) -> dict[str, list[tuple[str, float]]]:
+    """The label lines of a matrix, grouped by the side they go on: the name at ``name_pt``, the
+    symbolic and the numeric shape at ``label_pt``."""
     sides: dict[str, list[tuple[str, float]]] = {}
     if name and name_at:
-        sides.setdefault(name_at, []).append((name, NAME_PT))
+        sides.setdefault(name_at, []).append((name, name_pt))
     if shape_at:
         if dims is not None:
-            sides.setdefault(shape_at, []).append((_mathtext_shape(dims), LABEL_PT))
-        sides.setdefault(shape_at, []).append((_numeric_shape(shape), LABEL_PT))
+            sides.setdefault(shape_at, []).append((_mathtext_shape(dims), label_pt))
+        sides.setdefault(shape_at, []).append((_numeric_shape(shape), label_pt))
     return sides
+
+
+def _has_scripts(text: str) -> bool:
+    """Whether ``text`` holds mathtext with a sub- or superscript (drawn smaller).
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams.primitives import _has_scripts
+    >>> _has_scripts("$W_Q$"), _has_scripts("$x^2$"), _has_scripts("$j < 4$"), _has_scripts("a_b")
+    (True, True, False, False)
+    """
+    maths = str(text).split("$")[1::2] if str(text).count("$") >= 2 else []
+    return any("_" in m or "^" in m for m in maths)
+
+
+def _phone_pt(text: str, plain: float = TEXT_PT) -> float:
+    """The size at which ``text`` reads on a phone: ``plain``, or at least MATH_PT for maths
+    with scripts.
+
+    Examples
+    --------
+    >>> from sdpa_book.diagrams.primitives import _phone_pt
+    >>> _phone_pt("softmax"), _phone_pt("$(T, D_k)$"), _phone_pt("$W_Q$", 12)
+    (10, 11, 12)
+    """
+    return max(plain, MATH_PT) if _has_scripts(text) else plain
 
 
 def _mix(color, amount: float, other: str = "white") -> tuple[float, float, float]:
@@ -393,7 +434,13 @@ def _numeric_shape(shape: Sequence[int]) -> str:
     return str(tuple(int(n) for n in shape))
 
 
-def _fmt_value(value: float) -> str:
-    digits = 1 if abs(value) >= 9.995 else 2
+def _fmt_value(value: float, decimals: int | None = None) -> str:
+    """``value`` with ``decimals`` decimals (default: two, one from 10 on) and a true minus."""
+    digits = (1 if abs(value) >= 9.995 else 2) if decimals is None else decimals
     text = f"{round(float(value), digits) + 0.0:.{digits}f}"  # + 0.0: no "-0.00"
     return text.replace("-", "\N{MINUS SIGN}")
+
+
+def _integer_valued(*arrays) -> bool:
+    """Whether every entry of every array is a whole number (written without decimals)."""
+    return all(np.array_equal(a, np.round(a)) for a in arrays)

@@ -6,27 +6,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..figures import FULL_WIDTH, KEY, QUERY, VALUE
+from ..figures import KEY, QUERY, VALUE
 from .draw import draw_arrow, draw_box, new_canvas
 from .matrix import draw_matrix
 from .primitives import (
-    LABEL_PT,
     MARGIN,
+    MATH_PT,
     MAX_CELLS,
-    NAME_PT,
     NEUTRAL,
+    PHONE_WIDTH,
+    TEXT_PT,
     Rect,
     _at_most,
-    _line_height,
-    _mathtext_shape,
+    _fit_unit,
+    _integer_valued,
+    _label_lines,
     _pack,
     _real_array,
+    _stack_size,
     text_size,
 )
 
-# From left to right: the token, the embedding x, the projections W, the outputs; the arrows
-# between them are these long.
-_ARROWS = (0.3, 0.45, 0.45)
+_NAME_PT = 12  # names, with their scripts: W_Q, q = x W_Q
+_GAP = 0.2  # between two of the three branches
+_LINK = 0.22  # the arrow from a projection's labels down to its output
+_FAN = 0.32  # the drop of the arrows from x to the projections
+_TOKEN_ARROW = 0.25  # from the token to x
 
 
 @dataclass(frozen=True)
@@ -40,28 +45,36 @@ class _Branch:
     color: str
     out_dims: tuple[str]  # of the output
 
+    @property
+    def name(self) -> str:
+        return f"$W_{self.role}$"
+
+    @property
+    def out_name(self) -> str:
+        return f"${self.out} = x\\,W_{self.role}$"
+
 
 @dataclass(frozen=True)
-class _TokenLayout:
-    width: float
-    height: float
+class _Plan:
+    """Where things go, for one cell side: x on top, the three branches side by side below it."""
+
     token_w: float
-    cell: float  # side of a vector's cell
-    vec_h: float  # height of a vector's row
-    unit: float  # side of a projection's cell
     x_vec: float  # left of the embedding x
-    x_W: float  # left of the projections
-    x_out: float  # left of the outputs
-    centres: list[float]  # heights of the three branches' middles
-    rows_h: list[float]  # heights of the projections
+    y_x: float  # bottom of x
+    x_W: list[float]  # left of each projection (the outputs have its width, below it)
+    y_W: float  # bottom of the projections
+    y_out: float  # bottom of the outputs
+    row_h: float  # height of a vector's row
 
 
 def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     r"""One token's embedding ``x`` becoming its query, key and value: ``q = x W_Q``, ...
 
-    The embedding row ``x (E,)`` is multiplied by the three projection matrices; the vectors
-    are drawn as rows of cells (with their values when they fit), the matrices as grids
-    labelled with their shapes.
+    The embedding row ``x (E,)`` sits on top; the three projection matrices stand side by side
+    below it, each above its output ``x W``, whose entries line up with its columns. Matrices
+    and vectors are grids labelled with their shapes and, when every entry of a grid fits its
+    cell, its entries: whole numbers when all entries are whole (a hand-made example), else
+    two decimals. The drawing is narrow enough to stay legible on a phone.
 
     Parameters
     ----------
@@ -77,8 +90,8 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     Returns
     -------
     matplotlib.figure.Figure
-        The diagram: white, at most ``sdpa_book.figures.FULL_WIDTH`` wide, not registered
-        with pyplot.
+        The diagram: white, at most 3.7 in wide (it reads on a phone), not registered with
+        pyplot.
 
     Raises
     ------
@@ -93,12 +106,13 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
     --------
     >>> import numpy as np
     >>> from sdpa_book.diagrams import token_qkv_diagram, figure_texts
-    >>> rng = np.random.default_rng(0)
     >>> E, Dk, Dv = 4, 3, 2
-    >>> fig = token_qkv_diagram(rng.standard_normal(E), rng.standard_normal((E, Dk)),
-    ...                         rng.standard_normal((E, Dk)), rng.standard_normal((E, Dv)))
-    >>> [t for t in figure_texts(fig) if t.startswith("(")]  # x, W_Q, q, W_K, k, W_V, v
+    >>> x = np.array([1.0, 0.0, 2.0, 0.0])
+    >>> fig = token_qkv_diagram(x, np.ones((E, Dk)), np.eye(E, Dk), np.eye(E, Dv))
+    >>> [t for t in figure_texts(fig) if t.startswith("(")]  # x, then W_Q, q, W_K, k, W_V, v
     ['(4,)', '(4, 3)', '(3,)', '(4, 3)', '(3,)', '(4, 2)', '(2,)']
+    >>> figure_texts(fig)[:5]  # the token, then x's entries: whole numbers
+    ['“cat”', '1', '0', '2', '0']
     """
     x, W_q, W_k, W_v = _checked_arrays(x, W_q, W_k, W_v, token)
     branches = [
@@ -106,12 +120,19 @@ def token_qkv_diagram(x, W_q, W_k, W_v, *, token: str = "cat"):
         _Branch("k", "K", W_k, ("E", "D_k"), KEY, ("D_k",)),
         _Branch("v", "V", W_v, ("E", "D_v"), VALUE, ("D_v",)),
     ]
+    outs = [x @ b.W for b in branches]  # (E,) @ (E, D) -> (D,)
+    decimals = 0 if _integer_valued(x, W_q, W_k, W_v, *outs) else None
     token_text = f"\u201c{token}\u201d"
-    layout = _layout(token_text, x.shape[0], W_q.shape[1], W_v.shape[1], branches)
-    fig, ax = new_canvas(layout.width, layout.height)
-    x_rect = _draw_token_and_embedding(ax, layout, token_text, x)
-    for branch, yc, h in zip(branches, layout.centres, layout.rows_h):
-        _draw_branch(ax, layout, branch, x, x_rect, yc, h)
+    unit, width, height, plan = _fit_unit(
+        lambda unit: _layout(unit, token_text, x.shape[0], branches),
+        0.2,
+        PHONE_WIDTH,
+        5.0,
+    )
+    fig, ax = new_canvas(width, height)
+    x_rect = _draw_token_and_embedding(ax, plan, unit, token_text, x, decimals)
+    for k, (branch, out) in enumerate(zip(branches, outs)):
+        _draw_branch(ax, plan, unit, k, branch, out, x_rect, decimals)
     return fig
 
 
@@ -137,89 +158,115 @@ def _checked_arrays(x, W_q, W_k, W_v, token):
     return x, W_q, W_k, W_v
 
 
-def _layout(token_text: str, E: int, Dk: int, Dv: int, branches) -> _TokenLayout:
-    """Sizes and places: the token and x in the middle row, one row per branch."""
-    token_w = text_size(token_text, NAME_PT)[0] + 0.2
-    widest = max(Dk, Dv)
-    out_names = [f"${b.out} = x\\,W_{b.role}$" for b in branches]
-    name_w = max(text_size(n, NAME_PT)[0] for n in out_names)
-    # Vector cells: wide enough for two decimals when the row fits, else narrower and blank.
-    fixed = 2 * MARGIN + token_w + sum(_ARROWS) + 0.1
-    unit = min(0.17, 1.2 / widest, 0.85 / E)  # projection grids: at most 0.85 in high
-    room = FULL_WIDTH - fixed - widest * unit
-    cell = max(min(0.5, room / (E + widest)), 0.05)
-    vec_h = max(min(cell, 0.24), 0.12)
-
-    rows_h = [max(E * unit, 0.1) for _ in branches]
-    label_above = _line_height(NAME_PT) + 0.07
-    label_below = 2 * _line_height(LABEL_PT) + 0.07
-    branch_h = [h + label_above + label_below + 0.12 for h in rows_h]
-    height = sum(branch_h) + 2 * MARGIN
-    tops = _pack(branch_h, start=height - MARGIN, down=True)
-    centres = [top - label_above - 0.06 - h / 2 for top, h in zip(tops, rows_h)]
-
-    row = [token_w, E * cell, widest * unit, widest * cell]  # token, x, W, x @ W
-    _, x_vec, x_W, x_out = _pack(row, _ARROWS, start=MARGIN)
-    width = max(x_out + widest * cell, x_out + name_w) + MARGIN
-    W_name_w = max(text_size("$W_Q$", NAME_PT)[0], text_size(_mathtext_shape(("E", "D_k")))[0])
-    width = min(FULL_WIDTH, max(width, x_W + W_name_w + MARGIN))
-    return _TokenLayout(
-        width, height, token_w, cell, vec_h, unit, x_vec, x_W, x_out, centres, rows_h
-    )
+def _labels(name: str, dims, shape) -> tuple[float, float]:
+    """Width and height of a grid's label stack: its name, its symbolic and numeric shapes."""
+    return _stack_size(_label_lines(name, dims, shape, "s", "s", _NAME_PT, MATH_PT)["s"])
 
 
-def _draw_token_and_embedding(ax, layout: _TokenLayout, token_text: str, x) -> Rect:
-    """The token and its embedding x, at the height of the middle branch; x's rectangle."""
-    y_mid = layout.centres[1]
+def _layout(unit: float, token_text: str, E: int, branches) -> tuple[float, float, _Plan]:
+    """``(width, height, plan)`` for cells of side ``unit``: the token and x on top, then the
+    three projections side by side, each above its output."""
+    row_h = max(unit, 0.12)  # a vector's row stays visible
+    token_w = text_size(token_text, _NAME_PT)[0] + 0.2
+    x_label = _labels("embedding $x$", ("E",), (E,))
+    top_w = token_w + _TOKEN_ARROW + max(E * unit, row_h) + 0.07 + x_label[0]
+    W_labels = [_labels(b.name, b.dims, b.W.shape) for b in branches]
+    out_labels = [_labels(b.out_name, b.out_dims, b.W.shape[1:]) for b in branches]
+    slots = [
+        max(b.W.shape[1] * unit, wl[0], ol[0]) for b, wl, ol in zip(branches, W_labels, out_labels)
+    ]
+    width = max(top_w, sum(slots) + _GAP * (len(slots) - 1)) + 2 * MARGIN
+    starts = _pack(slots, _GAP, start=(width - sum(slots) - _GAP * (len(slots) - 1)) / 2)
+    x_W = [s + (slot - b.W.shape[1] * unit) / 2 for s, slot, b in zip(starts, slots, branches)]
+
+    top_h = max(0.4, row_h, x_label[1])  # the token's box, x, x's labels
+    W_h = max(E * unit, 0.1)
+    W_lab_h = max(h for _, h in W_labels)
+    out_lab_h = max(h for _, h in out_labels)
+    y_out = MARGIN + out_lab_h + 0.05
+    y_W = y_out + row_h + _LINK + W_lab_h + 0.05
+    y_x = y_W + W_h + _FAN + (top_h - row_h) / 2
+    height = y_x + row_h + (top_h - row_h) / 2 + MARGIN
+    x_vec = (width - top_w) / 2 + token_w + _TOKEN_ARROW
+    return width, height, _Plan(token_w, x_vec, y_x, x_W, y_W, y_out, row_h)
+
+
+def _draw_token_and_embedding(ax, plan: _Plan, unit: float, token_text: str, x, decimals) -> Rect:
+    """The token, an arrow, and its embedding x labelled on its right; x's rectangle."""
+    yc = plan.y_x + plan.row_h / 2
     tok = draw_box(
-        ax, MARGIN, y_mid - 0.2, layout.token_w, 0.4, token_text, color=NEUTRAL, fill=0.08
+        ax,
+        plan.x_vec - _TOKEN_ARROW - plan.token_w,
+        yc - 0.2,
+        plan.token_w,
+        0.4,
+        token_text,
+        color=NEUTRAL,
+        fill=0.08,
+        fontsize=_NAME_PT,
     )
     x_rect = draw_matrix(
         ax,
-        layout.x_vec,
-        y_mid - layout.vec_h / 2,
+        plan.x_vec,
+        plan.y_x,
         x.shape,
-        unit=layout.cell,
-        min_size=layout.vec_h,
+        unit=unit,
+        min_size=plan.row_h,
         color=NEUTRAL,
         fill=0.12,
         name="embedding $x$",
         dims=("E",),
+        name_at="right",
+        shape_at="right",
         values=x,
+        decimals=decimals,
+        name_pt=_NAME_PT,
+        label_pt=MATH_PT,
+        value_pt=TEXT_PT,
         tag="x",
     )
-    draw_arrow(ax, tok.right, x_rect.left)
+    draw_arrow(ax, (tok.x1 + 0.03, yc), (x_rect.x0 - 0.03, yc))
     return x_rect
 
 
-def _draw_branch(ax, layout: _TokenLayout, b: _Branch, x, x_rect: Rect, yc: float, h: float):
-    """x -> W -> x @ W, centred at height ``yc`` (``h``: the height of W's grid)."""
+def _draw_branch(ax, plan: _Plan, unit: float, k: int, b: _Branch, out, x_rect: Rect, decimals):
+    """Branch ``k``: an arrow from x to W, W labelled below, an arrow down to ``x @ W``."""
+    fonts = {"name_pt": _NAME_PT, "label_pt": MATH_PT, "value_pt": TEXT_PT}
     w_rect = draw_matrix(
         ax,
-        layout.x_W,
-        yc - h / 2,
+        plan.x_W[k],
+        plan.y_W,
         b.W.shape,
-        unit=layout.unit,
+        unit=unit,
         color=b.color,
         fill=0.3,
-        name=f"$W_{b.role}$",
+        name=b.name,
         dims=b.dims,
+        name_at="below",
+        shape_at="below",
+        values=b.W,
+        decimals=decimals,
         tag=f"W_{b.role}",
+        **fonts,
     )
-    draw_arrow(ax, (x_rect.x1 + 0.04, x_rect.cy), (w_rect.x0 - 0.02, yc))
-    out = x @ b.W  # (E,) @ (E, D) -> (D,)
+    start = (x_rect.cx + (k - 1) * min(0.12, x_rect.width / 3), x_rect.y0 - 0.04)
+    draw_arrow(ax, start, (w_rect.cx, w_rect.y1 + 0.03))
     o_rect = draw_matrix(
         ax,
-        layout.x_out,
-        yc - layout.vec_h / 2,
+        plan.x_W[k],
+        plan.y_out,
         out.shape,
-        unit=layout.cell,
-        min_size=layout.vec_h,
+        unit=unit,
+        min_size=plan.row_h,
         color=b.color,
         fill=0.35,
-        name=f"${b.out} = x\\,W_{b.role}$",
+        name=b.out_name,
         dims=b.out_dims,
+        name_at="below",
+        shape_at="below",
         values=out,
+        decimals=decimals,
         tag=b.out,
+        **fonts,
     )
-    draw_arrow(ax, (w_rect.x1 + 0.04, yc), (o_rect.x0 - 0.02, yc))
+    draw_arrow(ax, (o_rect.cx, o_rect.y1 + _LINK - 0.02), (o_rect.cx, o_rect.y1 + 0.03))

@@ -5,44 +5,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..figures import FULL_WIDTH, OUTPUT, QUERY, VALUE
+from ..figures import OUTPUT, QUERY, VALUE
 from .draw import _add, _segment, draw_arrow, draw_box, new_canvas
+from .phone import PHONE_CANVAS, _lines_size, _write, _write_lines
 from .primitives import (
     INK,
-    LABEL_PT,
     MARGIN,
-    NAME_PT,
     NEUTRAL,
+    TEXT_PT,
     _flag,
-    _line_height,
     _mix,
     _numeric_shape,
-    _pack,
     _positive_int,
-    _stack_size,
     text_size,
 )
 
-_END_W = 0.1  # the stream starts this far in; the labels of its ends sit under it
 _R = 0.1  # radius of the ⊕
+_BRANCH = 0.22  # from the stream to the first box of a branch
+_BOX_GAP = 0.2  # between two boxes of a branch
+_RETURN = 0.26  # from a sublayer's box down to the ⊕ its output goes to
+_SUB_GAP = 0.22  # between a sublayer's ⊕ (or post-norm box) and the next branch
+_NAME_H = 0.22  # the line "residual stream"
 
 
 @dataclass(frozen=True)
 class _Block:
-    """Where things go along the residual stream, and the sizes of the boxes."""
+    """Where things go down the residual stream, and the sizes of the boxes."""
 
     width: float
     height: float
     norm: str  # "pre" or "post"
-    at: dict[str, float]  # left edge of each piece along the stream (see _stream_places)
-    y_s: float  # the stream
-    y_box: float  # bottom of the sublayer boxes
+    x_s: float  # the stream
+    y_start: float  # where it starts (top) and ends (bottom)
+    y_end: float
+    rows: list[float]  # the top of each sublayer's row of boxes
     box_h: float
     ln_w: float  # a LayerNorm box
+    ln_h: float  # its height on the stream (post-norm)
     sub_w: dict[str, float]  # each sublayer's box
 
 
-def _plus(ax, x: float, y: float, r: float = 0.1, tag: str | None = None):
+def _plus(ax, x: float, y: float, r: float = _R, tag: str | None = None):
     """The ⊕ where a sublayer's output is added back to the residual stream."""
     from matplotlib.patches import Circle
 
@@ -67,12 +70,13 @@ def transformer_block_diagram(
 ):
     r"""A transformer block as sublayers reading from and adding to the residual stream.
 
-    The residual stream (thick line) carries ``(T, E)`` from left to right. Pre-norm
-    (``norm="pre"``, GPT-2 and most models since): each sublayer normalises a copy of the
-    stream, transforms it (causal multi-head attention, then the MLP) and adds the result back
-    (⊕); the stream itself is never normalised inside the block. Post-norm (``norm="post"``,
-    the original Transformer): the sublayer reads the stream directly and the sum is
-    normalised, on the stream.
+    The residual stream (thick line) carries ``(T, E)`` from the top down, narrow enough for
+    a phone; each sublayer branches off to the right and its output comes back to the stream.
+    Pre-norm (``norm="pre"``, GPT-2 and most models since): each sublayer normalises a copy of
+    the stream, transforms it (causal multi-head attention, then the MLP) and adds the result
+    back (⊕); the stream itself is never normalised inside the block. Post-norm
+    (``norm="post"``, the original Transformer): the sublayer reads the stream directly and the
+    sum is normalised, on the stream.
 
     Parameters
     ----------
@@ -85,8 +89,8 @@ def transformer_block_diagram(
     Returns
     -------
     matplotlib.figure.Figure
-        The diagram: white, at most ``sdpa_book.figures.FULL_WIDTH`` wide, not registered
-        with pyplot.
+        The diagram: white, at most 3.7 in wide (a phone's column), not registered with
+        pyplot.
 
     Raises
     ------
@@ -114,147 +118,124 @@ def transformer_block_diagram(
     sub = [("attention", "causal multi-head\nattention", QUERY)]
     if not attention_only:
         sub.append(("mlp", "MLP", VALUE))
-    end_lines = ["input $X$", "$(T, E)$", *shape]
-    block = _block_layout(norm, sub, end_lines)
+    ends = (["input $X$", "$(T, E)$", *shape], ["out", "$(T, E)$", *shape])
+    block = _block_layout(norm, sub, ends)
     fig, ax = new_canvas(block.width, block.height)
-    title = (
-        "pre-norm: each sublayer normalises a copy of the stream"
-        if norm == "pre"
-        else "post-norm (original Transformer): the stream itself is normalised"
-    )
-    ax.text(MARGIN, block.height - MARGIN, title, ha="left", va="top", fontsize=NAME_PT, color=INK)
-    _write_under(ax, MARGIN + _END_W, block.y_s, end_lines, "left")  # under the stream's start
+    _write(ax, MARGIN, block.height - MARGIN, _title(norm), ha="left", va="top")
     for n, (key, text, color) in enumerate(sub):
         _draw_sublayer(ax, block, n, key, text, color)
-    _draw_stream(ax, block, ["out", "$(T, E)$", *shape])
+    _draw_stream(ax, block, ends)
     return fig
 
 
-def _stream_places(norm: str, sub, stretch: float, ln_w: float, sub_w) -> dict[str, float]:
-    """Left edge of each piece along the stream, from its start to its end: per sublayer, the
-    branch off the stream, the boxes (LayerNorm first under pre-norm) and the ⊕ (then the
-    LayerNorm, under post-norm); the gaps around each sublayer widened by ``stretch``."""
-    names, sizes, gaps = ["start"], [0.0], []
-
-    def piece(name: str, size: float, gap: float) -> None:
-        names.append(name)
-        sizes.append(size)
-        gaps.append(gap)
-
-    for key, _, _ in sub:
-        piece(f"{key} branch", 0.0, 0.25 + stretch)
-        if norm == "pre":
-            piece(f"{key} norm", ln_w, 0.15)
-        piece(key, sub_w[key], 0.15 + stretch / 2 if norm == "pre" else 0.15)
-        piece(f"{key} add", 2 * _R, 0.15)
-        if norm == "post":
-            piece(f"{key} norm", ln_w, 0.2 + stretch / 2)
-    piece("end", 0.0, 0.3 + stretch)
-    return dict(zip(names, _pack(sizes, gaps, start=MARGIN + _END_W)))
+def _title(norm: str) -> str:
+    return "pre-norm block" if norm == "pre" else "post-norm block (original Transformer)"
 
 
-def _block_layout(norm: str, sub, end_lines: list[str]) -> _Block:
-    """The stream's gaps widen (or narrow, a little) evenly to fill the column. From the top:
-    the title, the sublayer boxes, the stream 0.45 in below them, the labels of its ends."""
-    ln_w = text_size("LayerNorm", NAME_PT)[0] + 0.22
-    sub_w = {k: text_size(t, NAME_PT)[0] + 0.26 for k, t, _ in sub}
-    # the stream's end moves by 1.5 n + 1 times the stretch (n sublayers)
-    spare = FULL_WIDTH - MARGIN - _stream_places(norm, sub, 0.0, ln_w, sub_w)["end"]
-    stretch = min(0.5, max(-0.14, spare / (1.5 * len(sub) + 1)))
-    at = _stream_places(norm, sub, stretch, ln_w, sub_w)
-    title_h = _line_height(NAME_PT) + 0.1
-    box_h = 2 * _line_height(NAME_PT) + 0.14
-    height = MARGIN + title_h + box_h + 0.45 + 0.25 + len(end_lines) * _line_height(LABEL_PT)
-    y_s = MARGIN + _stack_size([(t, NAME_PT) for t in end_lines])[1] + 0.2
+def _block_layout(norm: str, sub, ends) -> _Block:
+    """From the top: the title; the stream's start, with the input's labels right of it; per
+    sublayer a row of boxes right of the stream, the ⊕ under it (and the LayerNorm on the
+    stream under that, post-norm); the stream's end, with the output's labels and the name
+    "residual stream" right of it."""
+    ln_w = text_size("LayerNorm", TEXT_PT)[0] + 0.2
+    ln_h = _lines_size(["LayerNorm"])[1] + 0.1
+    sub_w = {k: max(text_size(t, TEXT_PT)[0] for _, t, _ in sub) + 0.24 for k, _, _ in sub}
+    box_h = _lines_size(["causal multi-head", "attention"])[1] + 0.12
+    ends_w, ends_h = (max(v) for v in zip(*(_lines_size(e) for e in ends)))
+    x_s = MARGIN + (ln_w / 2 if norm == "post" else 0.12)
+    branch_w = _BRANCH + (ln_w + _BOX_GAP if norm == "pre" else 0.0) + max(sub_w.values())
+    title_w = text_size(_title(norm), TEXT_PT)[0]
+    width = min(PHONE_CANVAS, max(x_s + max(branch_w, 0.12 + ends_w), MARGIN + title_w) + MARGIN)
+    title_h = _lines_size(["post-norm"])[1] + 0.12
+    per_sub = box_h + _RETURN + _R + (0.1 + ln_h if norm == "post" else 0.0)
+    y_end = MARGIN + 0.02
+    bottom = y_end + ends_h + 0.08 + _NAME_H  # the output's labels and the stream's name
+    height = bottom + len(sub) * (per_sub + _SUB_GAP) + ends_h + 0.08 + title_h + MARGIN
+    y_start = height - MARGIN - title_h
+    rows = [y_start - ends_h - 0.08 - n * (per_sub + _SUB_GAP) for n in range(len(sub))]
     return _Block(
-        width=min(FULL_WIDTH, at["end"] + MARGIN),
-        height=height + MARGIN,
+        width=width,
+        height=height,
         norm=norm,
-        at=at,
-        y_s=y_s,
-        y_box=y_s + 0.45,
+        x_s=x_s,
+        y_start=y_start,
+        y_end=y_end,
+        rows=rows,
         box_h=box_h,
         ln_w=ln_w,
+        ln_h=ln_h,
         sub_w=sub_w,
     )
 
 
-def _write_under(ax, x: float, y_s: float, lines: list[str], ha: str) -> None:
-    """A name and its shape under the stream, at ``x``."""
-    for i, t in enumerate(lines):
-        ax.text(
-            x,
-            y_s - 0.1 - i * _line_height(NAME_PT),
-            t,
-            ha=ha,
-            va="top",
-            fontsize=LABEL_PT if i else NAME_PT,
-            color=INK,
-        )
-
-
 def _draw_sublayer(ax, block: _Block, n: int, key: str, text: str, color) -> None:
     """Sublayer ``n``: a branch off the stream into its boxes, and its output added back."""
-    at, y_s, box_h = block.at, block.y_s, block.box_h
-    branch = at[f"{key} branch"]
-    x_box = branch + 0.15
-    _segment(ax, [branch, branch], [y_s, block.y_box + box_h / 2], color=INK, linewidth=1.3)
-    _segment(ax, [branch, x_box], [block.y_box + box_h / 2] * 2, color=INK, linewidth=1.3)
+    x_s, top, box_h = block.x_s, block.rows[n], block.box_h
+    y_mid = top - box_h / 2
+    x = x_s + _BRANCH
     if block.norm == "pre":
         ln = draw_box(
             ax,
-            at[f"{key} norm"],
-            block.y_box,
+            x,
+            top - box_h,
             block.ln_w,
             box_h,
             "LayerNorm",
             color=NEUTRAL,
             fill=0.1,
+            fontsize=TEXT_PT,
             tag=f"norm {n + 1}",
         )
-        draw_arrow(ax, ln.right, (at[key], ln.cy))
+        draw_arrow(ax, (x_s, y_mid), ln.left)  # the branch: a copy of the stream
+        x = ln.x1 + _BOX_GAP
     box = draw_box(
-        ax, at[key], block.y_box, block.sub_w[key], box_h, text, color=color, fill=0.25, tag=key
+        ax,
+        x,
+        top - box_h,
+        block.sub_w[key],
+        box_h,
+        text,
+        color=color,
+        fill=0.25,
+        fontsize=TEXT_PT,
+        tag=key,
     )
-    x_add = at[f"{key} add"] + _R
-    _segment(ax, [box.x1, x_add], [box.cy] * 2, color=INK, linewidth=1.3)
-    draw_arrow(ax, (x_add, box.cy), (x_add, y_s + _R))
-    _plus(ax, x_add, y_s, _R, tag=key)
+    draw_arrow(ax, (box.x0 - _BOX_GAP if block.norm == "pre" else x_s, y_mid), box.left)
+    y_add = box.y0 - _RETURN
+    _segment(ax, [box.cx, box.cx], [box.y0, y_add], color=INK, linewidth=1.3)
+    draw_arrow(ax, (box.cx, y_add), (x_s + _R, y_add))
+    _plus(ax, x_s, y_add, tag=key)
     if block.norm == "post":
         draw_box(
             ax,
-            at[f"{key} norm"],
-            y_s - box_h / 4,
+            x_s - block.ln_w / 2,
+            y_add - _R - 0.1 - block.ln_h,
             block.ln_w,
-            box_h / 2,
+            block.ln_h,
             "LayerNorm",
             color=NEUTRAL,
             fill=0.1,
+            fontsize=TEXT_PT,
             tag=f"norm {n + 1}",
         )
 
 
-def _draw_stream(ax, block: _Block, out_lines: list[str]) -> None:
-    """The thick residual stream from start to end, its arrow, and the labels of its end."""
-    x_start, x_end, y_s = MARGIN + _END_W, block.at["end"], block.y_s
+def _draw_stream(ax, block: _Block, ends) -> None:
+    """The thick residual stream from start to end, its arrow, the labels of its ends and its
+    name."""
+    x_s, y0, y1 = block.x_s, block.y_start, block.y_end
     stream_color = _mix(OUTPUT, 0.8, "black")
     _segment(
         ax,
-        [x_start, x_end],
-        [y_s, y_s],
+        [x_s, x_s],
+        [y0, y1],
         color=stream_color,
         linewidth=3.0,
         zorder=0.5,
         solid_capstyle="butt",
     )
-    draw_arrow(ax, (x_end - 0.2, y_s), (x_end, y_s), color=stream_color, linewidth=1.5)
-    _write_under(ax, x_end, y_s, out_lines, "right")
-    ax.text(
-        (x_start + x_end) / 2,
-        y_s - 0.22,
-        "residual stream",
-        ha="center",
-        va="top",
-        fontsize=LABEL_PT,
-        color=INK,
-    )
+    draw_arrow(ax, (x_s, y1 + 0.2), (x_s, y1), color=stream_color, linewidth=1.5)
+    _write_lines(ax, x_s + 0.12, y0, ends[0], ha="left")
+    out_h = _lines_size(ends[1])[1]
+    _write_lines(ax, x_s + 0.12, y1 + out_h, ends[1], ha="left")
+    _write(ax, x_s + 0.12, y1 + out_h + 0.08, "residual stream", ha="left", va="bottom")

@@ -1,0 +1,1005 @@
+r"""Programmable attention: PyTorch's FlexAttention (a ``score_mod`` and a block mask) in NumPy.
+
+Most attention variants change one thing: the score of query ``i`` against key ``j``, or
+whether ``i`` may attend ``j`` at all. :func:`sdpa.flex_attention` takes both as functions:
+
+* ``score_mod(score, b, h, q_idx, kv_idx)`` returns the modified scaled scores: ALiBi is
+  ``score + slope[h] * (kv_idx - q_idx)``, soft-capping ``cap * np.tanh(score / cap)``;
+* a :class:`sdpa.BlockMask` made by :func:`sdpa.create_block_mask` from
+  ``mask_mod(b, h, q_idx, kv_idx)`` says which keys each query may attend (causal is
+  ``q_idx >= kv_idx``), and which blocks of the score matrix hold no allowed entry at all.
+
+The mods receive integer index arrays that broadcast against the scores, so that one NumPy
+expression modifies a whole block of them at once.
+
+Two paths give the same result to rounding. The **reference** path is the formula as written:
+the whole ``(B, Hq, T, S)`` score matrix, ``score_mod`` on all of it, the mask, a softmax. The
+**tiled** path works on one block of query rows at a time (the mask's query block, with the
+query heads that share a key head folded in when the mask does not depend on the head):
+
+1. gather the key blocks the block mask marks non-empty, skipping the empty ones entirely:
+   no product, no ``score_mod``, no ``mask_mod`` on their entries;
+2. one product for each run of full blocks and for each run of partial blocks among them
+   (in pieces of at most ``block_k`` keys): the masks then work on small contiguous tiles;
+3. ``score_mod`` on those scores, ``mask_mod`` on the *partial* blocks only (a full block needs
+   no mask);
+4. an exact softmax over the gathered row (the tiles of a piece share one shift), or an
+   online one (running maximum ``m`` and normaliser ``l``, as in :mod:`sdpa.tiled`) across
+   the pieces when the row is longer.
+
+Without a ``score_mod`` the scores are computed in base 2 where ``exp2`` is the faster
+exponential (:func:`sdpa.tuning.tile_exponential`), as the tiled path of
+:func:`sdpa.scaled_dot_product_attention` does. Units whose rows of the block mask are equal
+(every head of a mask created with ``H=None``) share the layout of their gathered keys and the
+``mask_mod`` of their partial blocks: a worker evaluates each once.
+
+Work units are shared among threads (:func:`sdpa.threads.run_in_threads`, BLAS on one
+thread); each unit's result depends on its inputs alone, so the bits do not depend on the
+number of threads. :func:`flex_attention_tiled` runs this path with its tunables and counts
+what it did in a :class:`FlexStats`.
+
+Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``G = Hq // Hkv``,
+``T`` queries, ``S`` keys, ``Dk``/``Dv`` head widths, ``Bq``/``Bk`` block sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from ._checks import (
+    ATTENTION_MASK_HINT,
+    as_array,
+    available_memory,
+    check_bool,
+    check_memory,
+    check_positive_int,
+    check_query_key_value,
+    lse_dtype,
+)
+from .block_mask import FULL, PARTIAL, BlockMask, check_mod, evaluate_mask_mod, index_arrays
+from .problem import AttentionProblem, check_overflow, overflow_checked
+from .problem import prepare_attention as _prepare_attention  # public in sdpa.problem only
+from .softmax_stable import softmax_and_lse
+from .threads import default_num_threads, run_in_threads, single_threaded_blas
+from .tuning import tile_exponential
+
+__all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
+
+SCORE_MOD_SIGNATURE = "score_mod(score, b, h, q_idx, kv_idx) -> array"
+LOG2E = 1 / math.log(2)  # 2 ** (x * LOG2E) = e ** x
+LN2 = math.log(2)
+
+# Query rows of a work unit without a block mask (the heads folded in count as rows): the
+# BlockMask's default block.
+BLOCK_ROWS = 128
+# Keys per product of the tiled path: a query block's gathered key blocks are cut into pieces
+# of at most this many keys. A (128, 4096) float32 tile of scores is 2 MiB. At T = S = 4096, 8
+# heads of width 64 in float32 on one core of the benchmark machine (2-core Xeon, Sapphire
+# Rapids; best of 5), 4096 took 0.98 to 0.99 of the CPU time of 2048 and 0.86 to 0.87 of 512,
+# with a causal block mask and without a mask.
+BLOCK_K = 4096
+
+# implementation="auto" takes the tiled path when the reference path's score matrix holds at
+# least MIN_TILED_SCORES scores and the tiled path's work units hold at least MIN_UNIT_SCORES
+# scores each on average (a unit costs tens of microseconds of Python between NumPy calls,
+# which many small heads cannot amortise), or when the reference path's arrays would take
+# more than a quarter of the available memory. Both paths timed on 14 shapes (float32, width
+# 64, with and without a causal mask; 2-core Xeon): below 2**19 scores the reference path was
+# up to 1.7 times as fast (at a few milliseconds); above, the tiled path was the faster
+# wherever the units held 2**14 scores, and 4 to 17 times slower for heads of 16 x 16 and
+# 32 x 32 scores.
+MIN_TILED_SCORES = 1 << 19
+MIN_UNIT_SCORES = 1 << 14
+
+
+@dataclass
+class FlexStats:
+    """Counters of the work the tiled path of :func:`sdpa.flex_attention` did.
+
+    Filled when passed to :func:`flex_attention_tiled` as ``stats``. Blocks are those of the
+    block mask, counted once for each batch entry and query head (a unit that folds ``G``
+    heads counts ``G`` of each), so that ``computed + skipped`` is ``B * Hq * n_q * n_kv``.
+    The counts add up over calls.
+
+    Attributes
+    ----------
+    units : int
+        Work units: one block of query rows of one head, or of the heads that share a key head.
+    tiles : int
+        Matrix products of a unit's queries with its gathered keys: one per run of full blocks
+        and one per run of partial blocks in each piece of at most ``block_k`` keys.
+    computed : int
+        Blocks whose scores were computed (0 without a block mask).
+    masked : int
+        Computed blocks on which ``mask_mod`` was called: the partial ones.
+    skipped : int
+        Blocks never computed: the block mask marks them empty.
+
+    Examples
+    --------
+    >>> from sdpa.flex import FlexStats
+    >>> FlexStats()
+    FlexStats(units=0, tiles=0, computed=0, masked=0, skipped=0)
+    """
+
+    units: int = 0
+    tiles: int = 0
+    computed: int = 0
+    masked: int = 0
+    skipped: int = 0
+
+    def add(self, other: FlexStats) -> None:
+        """Add the counts of ``other`` to these.
+
+        Parameters
+        ----------
+        other : FlexStats
+            The counts to add (for example one worker thread's).
+
+        Examples
+        --------
+        >>> from sdpa.flex import FlexStats
+        >>> total = FlexStats(units=2, computed=5)
+        >>> total.add(FlexStats(units=1, computed=3, skipped=1))
+        >>> total.units, total.computed, total.skipped
+        (3, 8, 1)
+        """
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+
+# ----------------------------------------------------------------------------------------
+# The call, validated
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FlexCall:
+    """A validated call in one layout: query heads split into ``(Hkv, G)``.
+
+    Without ``enable_gqa``, keys and values with one head shared by all query heads are
+    ``Hkv = 1, G = Hq`` (the heads fold into one unit's rows); otherwise ``Hkv = Hq, G = 1``.
+    """
+
+    problem: AttentionProblem  # validation, dtypes, scale, non-finite rows
+    query: np.ndarray  # (B, Hkv, G, T, Dk) view
+    key: np.ndarray  # (B, Hkv, 1, S, Dk) view
+    value: np.ndarray  # (B, Hkv, 1, S, Dv) view
+    score_mod: Callable | None
+    block_mask: BlockMask | None
+    B: int
+    Hkv: int
+    G: int
+
+    @property
+    def Hq(self) -> int:
+        return self.Hkv * self.G
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.problem.work_dtype
+
+
+def _check_call(query, key, value, score_mod, block_mask, scale, enable_gqa) -> _FlexCall:
+    """Every check of a call, up front; the arrays in the layout of :class:`_FlexCall`."""
+    q, k, v = check_query_key_value(query, key, value, masked_hint=ATTENTION_MASK_HINT)
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        if a.ndim != 4:
+            raise ValueError(
+                f"{name} must be 4-D (B, H, L, D), as in torch's flex_attention; "
+                f"got {name}.shape={a.shape}"
+            )
+    if score_mod is not None:
+        check_mod(score_mod, "score_mod", SCORE_MOD_SIGNATURE)
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            "block_mask must be a BlockMask made by sdpa.create_block_mask, or None; "
+            f"got {type(block_mask).__name__}"
+        )
+    problem = _prepare_attention(q, k, v, None, False, scale=scale, enable_gqa=enable_gqa)
+    T, S, Dk = problem.T, problem.S, problem.Dk
+    B = problem.batch_shape[0]
+    k, v = problem.key, problem.value
+    if problem.groups is not None:  # (B, Hkv, G): the grouped layout already
+        _, Hkv, G = problem.batch_shape
+    elif k.shape[1] == 1 and v.shape[1] == 1:
+        Hkv, G = 1, problem.batch_shape[1]  # every query head shares the one key head
+    else:
+        Hkv, G = problem.batch_shape[1], 1
+    if problem.groups is None:  # add the axis of length G (queries) or 1 (keys and values)
+        query = np.broadcast_to(problem.query, (B, Hkv * G, T, Dk)).reshape(B, Hkv, G, T, Dk)
+        keys = [np.broadcast_to(a, (B, Hkv, S, a.shape[-1]))[:, :, None] for a in (k, v)]
+    else:
+        query = np.broadcast_to(problem.query, (B, Hkv, G, T, Dk))
+        keys = [np.broadcast_to(a, (B, Hkv, 1, S, a.shape[-1])) for a in (k, v)]
+    call = _FlexCall(problem, query, keys[0], keys[1], score_mod, block_mask, B, Hkv, G)
+    if block_mask is not None:
+        _check_fit(block_mask, call)
+    return call
+
+
+def _check_fit(block_mask: BlockMask, call: _FlexCall) -> None:
+    Bm, Hm, T, S = block_mask.shape
+    wanted = (call.B, call.Hq, call.problem.T, call.problem.S)
+    if (T, S) != wanted[2:] or Bm not in (1, call.B) or Hm not in (1, call.Hq):
+        raise ValueError(
+            f"block_mask must fit the call: its shape (B, H, Q_LEN, KV_LEN) = "
+            f"{block_mask.shape} against the call's (B, Hq, T, S) = {wanted}, where B and H "
+            "may also be 1 (a mask created with None)"
+        )
+
+
+def _apply_score_mod(call: _FlexCall, scores: np.ndarray, b, h, q_idx, kv_idx) -> np.ndarray:
+    """``score_mod`` on 4-D ``scores`` ``(n_b, n_h, n_q, n_kv)`` and its index arrays, checked;
+    a writeable array of the scores' shape in the working dtype."""
+    result = call.score_mod(scores, *index_arrays(b, h, q_idx, kv_idx))
+    result = as_array(result, "score_mod's result")
+    if result.dtype.kind not in "fiu":
+        raise TypeError(
+            f"score_mod must return real scores (a float array); got dtype {result.dtype}"
+        )
+    try:
+        fits = np.broadcast_shapes(result.shape, scores.shape) == scores.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"score_mod must return an array of the shape of its scores {scores.shape} (or one "
+            f"that broadcasts to it); got shape {result.shape}"
+        )
+    if result.shape != scores.shape or result.dtype != call.dtype or not result.flags.writeable:
+        with np.errstate(over="ignore"):  # a score beyond the dtype's range is +-inf, as cast
+            result = np.array(np.broadcast_to(result, scores.shape), dtype=call.dtype)
+    return result
+
+
+# ----------------------------------------------------------------------------------------
+# The reference path: the whole score matrix
+# ----------------------------------------------------------------------------------------
+
+
+def _dense_mask(block_mask: BlockMask) -> np.ndarray:
+    """``(B or 1, H or 1, T, S)`` bool: the mask entry by entry, from its ``mask_mod``."""
+    Bm, Hm, T, S = block_mask.shape
+    return evaluate_mask_mod(block_mask.mask_mod, range(Bm), range(Hm), range(T), range(S))
+
+
+def _flex_reference(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
+    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, from the whole scores."""
+    problem, B, Hq, dtype = call.problem, call.B, call.Hq, call.dtype
+    T, S = problem.T, problem.S
+    shape = (B, Hq, T, S)
+    check_memory(
+        3 * B * Hq * T * S * dtype.itemsize,
+        f"the reference path's scores and weights of shape {shape} in {dtype}",
+        "use implementation='tiled' (which holds one block of rows at a time) or smaller inputs",
+    )
+    with overflow_checked(problem):
+        q_scaled = call.query * dtype.type(problem.scale)  # (B, Hkv, G, T, Dk)
+        # (B, Hkv, G, T, Dk) @ (B, Hkv, 1, Dk, S) -> (B, Hkv, G, T, S) -> (B, Hq, T, S)
+        scores = (q_scaled @ np.swapaxes(call.key, -1, -2)).reshape(shape)
+    allowed = None if call.block_mask is None else _dense_mask(call.block_mask)
+    if problem.may_overflow:
+        check_overflow(problem, scores, allowed, None)
+    if call.score_mod is not None:
+        scores = _apply_score_mod(call, scores, range(B), range(Hq), range(T), range(S))
+    if allowed is not None:
+        scores = np.where(allowed, scores, dtype.type(-np.inf))
+    weights, lse = softmax_and_lse(scores, axis=-1)  # (B, Hq, T, S), (B, Hq, T, 1)
+    weights = weights.reshape(B, call.Hkv, call.G, T, S)
+    out = (weights @ call.value).reshape(B, Hq, T, problem.Dv)  # (..., T, S) @ (..., S, Dv)
+    lse = lse[..., 0]
+    # A score_mod that returns +inf has no softmax; the tiled path gives NaN there, so here too.
+    infinite = np.isposinf(lse)
+    if infinite.any():
+        out[infinite] = np.nan
+        lse[infinite] = np.nan
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# The tiled path: a block of query rows at a time, empty key blocks skipped
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tiling:
+    """What every work unit reads and writes."""
+
+    call: _FlexCall
+    factor: np.floating  # the queries' factor: the scale, times log2(e) in base 2
+    kinds: np.ndarray  # (1 or B, 1 or Hq, n_q, n_kv) int8: EMPTY, PARTIAL or FULL
+    block_q: int  # query positions per block
+    block_kv: int  # keys per block
+    block_k: int  # keys per product, at most (at least one block)
+    per_head: bool  # the mask depends on the head: one head per unit
+    exp: Callable  # the exponential of the tiles: numpy.exp, or numpy.exp2 on scores in base 2
+    out: np.ndarray  # (B, Hkv, G, T, Dv), written by the units
+    lse: np.ndarray  # (B, Hkv, G, T)
+
+
+def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
+    problem, bm = call.problem, call.block_mask
+    T, S = problem.T, problem.S
+    if bm is None:  # no mask: every key block full, one block of rows per unit
+        block_q = max(1, BLOCK_ROWS // call.G)
+        block_kv = min(block_k, S)
+        kinds = np.full((1, 1, -(-T // block_q), -(-S // block_kv)), FULL, dtype=np.int8)
+    else:
+        block_q, block_kv = bm.BLOCK_SIZE
+        kinds = bm.kinds
+    # Scores in base 2 where exp2 is the faster (the scale times log2(e): 2 ** x is e ** score),
+    # unless a score_mod must see them in natural units or a score may overflow.
+    exp = tile_exponential(call.dtype)
+    if call.score_mod is not None or problem.may_overflow:
+        exp = np.exp
+    factor = call.dtype.type(problem.scale * (LOG2E if exp is np.exp2 else 1.0))
+    return _Tiling(
+        call=call,
+        factor=factor,
+        kinds=kinds,
+        block_q=block_q,
+        block_kv=block_kv,
+        block_k=block_k,
+        per_head=kinds.shape[1] > 1,
+        exp=exp,
+        out=np.zeros((call.B, call.Hkv, call.G, T, problem.Dv), dtype=call.dtype),
+        lse=np.full((call.B, call.Hkv, call.G, T), -np.inf, dtype=call.dtype),
+    )
+
+
+def _units(tiling: _Tiling) -> list[tuple[int, int, int, int, int]]:
+    """``(b, kv_head, g0, g1, query_block)`` of every unit: head after head, and the query
+    blocks of a head the costliest first.
+
+    Head after head keeps a head's keys and values in the cache from one unit to the next
+    (under a causal mask each unit reads a prefix of the previous one's). Ordered by cost
+    alone, the 8 heads' units of one query block came one after the other, each reading keys
+    another head had pushed out: the causal call at T = S = 4096 (8 heads of width 64,
+    float32, one thread) took about 3 % more CPU time. Within a head the costliest come first,
+    so the last units of the call are short.
+    """
+    call, kinds = tiling.call, tiling.kinds
+    heads = [(g, g + 1) for g in range(call.G)] if tiling.per_head else [(0, call.G)]
+    nonempty = np.count_nonzero(kinds, axis=-1)  # (1 or B, 1 or Hq, n_q)
+    units = []
+    for b, hk, (g0, g1), m in itertools.product(
+        range(call.B), range(call.Hkv), heads, range(kinds.shape[2])
+    ):
+        bm_b = b if kinds.shape[0] > 1 else 0
+        bm_h = hk * call.G + g0 if tiling.per_head else 0
+        units.append((int(nonempty[bm_b, bm_h, m]), (b, hk, g0, g1, m)))
+    units.sort(key=lambda u: (u[1][:3], -u[0]))  # by head (b, kv_head, g0), then cost
+    return [u[1] for u in units]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """The keys of one product: where they come from and which of them need ``mask_mod``.
+
+    The same for every batch entry and head whose row of the block mask is the same, so a
+    worker computes it once for all of them.
+    """
+
+    key: tuple  # what identifies it: the row of the block mask and its first block
+    spans: tuple[tuple[int, int], ...]  # key ranges s0:s1 of runs of consecutive blocks
+    cols: np.ndarray  # (keys,) the key positions, in order
+    partial: tuple[tuple[int, int], ...]  # column ranges c0:c1 of the piece in partial blocks
+    n_partial: int  # partial blocks
+
+    @property
+    def tiles(self) -> list[tuple[int, int, int | None]]:
+        """``(c0, c1, i)``: the piece's columns cut into runs of full blocks (``i`` None) and
+        runs of partial ones (``i``, the index in ``partial``), each a product of its own."""
+        tiles, start = [], 0
+        for i, (c0, c1) in enumerate(self.partial):
+            if c0 > start:
+                tiles.append((start, c0, None))
+            tiles.append((c0, c1, i))
+            start = c1
+        if start < self.cols.size:
+            tiles.append((start, self.cols.size, None))
+        return tiles
+
+    @classmethod
+    def of(cls, key: tuple, blocks: list[int], kinds: list[int], block_kv: int, S: int) -> _Piece:
+        spans, partial, n_partial, offset = [], [], 0, 0
+        for n, kind in zip(blocks, kinds):
+            s0, s1 = n * block_kv, min(S, (n + 1) * block_kv)
+            if spans and spans[-1][1] == s0:  # the next block of a run: one view for both
+                spans[-1] = (spans[-1][0], s1)
+            else:
+                spans.append((s0, s1))
+            if kind == PARTIAL:
+                n_partial += 1
+                if partial and partial[-1][1] == offset:
+                    partial[-1] = (partial[-1][0], offset + s1 - s0)
+                else:
+                    partial.append((offset, offset + s1 - s0))
+            offset += s1 - s0
+        cols = np.concatenate([np.arange(s0, s1) for s0, s1 in spans])
+        return cls(key, tuple(spans), cols, tuple(partial), n_partial)
+
+    def gather(self, x: np.ndarray) -> np.ndarray:
+        """The piece's rows of ``x`` ``(S, D)``: a view for one run of blocks, else a copy."""
+        if len(self.spans) == 1:
+            ((s0, s1),) = self.spans
+            return x[s0:s1]
+        return np.concatenate([x[s0:s1] for s0, s1 in self.spans])
+
+
+class _Softmax:
+    """The online softmax of one unit's rows over its pieces: ``m``, ``l`` and ``acc``.
+
+    A piece may come in several tiles (runs of full blocks and of partial ones), which share
+    one shift. In base 2 (``exp`` is ``numpy.exp2``) the scores are ``log2(e)`` times the
+    natural ones and so are ``m`` and the shift; the lse is converted back. SVML's ``exp2`` is
+    several times slower on ``-inf`` than on finite numbers, so the tiles of partial blocks,
+    where the disallowed entries are ``-inf``, take ``exp(x ln 2)`` instead.
+    """
+
+    def __init__(self, exp: Callable):
+        self.exp = exp
+        self.m = None  # running maximum, (rows,)
+        self.shift = None  # what l and acc are relative to: m, or 0 where m = -inf
+        self.l = None  # running normaliser, (rows,)
+        self.acc = None  # sum of exp(score - shift) v, (rows, Dv)
+
+    def add(self, tiles: list[np.ndarray], values: list[np.ndarray], partial: list[bool]):
+        """Fold in a piece: its tiles of scores ``(1, heads, Bq, keys)`` (overwritten), with
+        disallowed entries at ``-inf`` in the ``partial`` ones, and their values ``(keys, Dv)``."""
+        scores = [t.reshape(-1, t.shape[-1]) for t in tiles]  # (rows, keys) views
+        m = functools.reduce(np.maximum, [s.max(axis=1) for s in scores])  # NaN stays NaN
+        if self.m is not None:
+            m = np.maximum(self.m, m)
+        shift = np.where(np.isneginf(m), 0, m).astype(scores[0].dtype, copy=False)
+        l_piece = acc_piece = None
+        for s, value, is_partial in zip(scores, values, partial):
+            with np.errstate(invalid="ignore"):  # inf - inf: a score_mod's +inf gives NaN
+                np.subtract(s, shift[:, None], out=s)
+            if self.exp is np.exp2 and is_partial:  # exp(x ln 2): -inf would slow exp2
+                np.multiply(s, s.dtype.type(LN2), out=s)
+                np.exp(s, out=s)
+            else:
+                self.exp(s, out=s)  # every exponent <= 0
+            l_tile = s.sum(axis=1)
+            acc_tile = s @ value  # (rows, keys) @ (keys, Dv) -> (rows, Dv)
+            if l_piece is None:
+                l_piece, acc_piece = l_tile, acc_tile
+            else:
+                l_piece += l_tile
+                acc_piece += acc_tile
+        if self.m is None:
+            self.l, self.acc = l_piece, acc_piece
+        else:
+            with np.errstate(invalid="ignore"):
+                alpha = self.exp(self.m - shift)  # 0 where nothing was seen yet; <= 1
+            self.l = self.l * alpha + l_piece
+            self.acc = self.acc * alpha[:, None] + acc_piece
+        self.m, self.shift = m, shift
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, lse)``: ``acc / l`` and ``shift + log l`` in natural units; 0 and -inf where
+        ``l = 0``."""
+        empty = self.l == 0  # NaN is not empty: it stays NaN
+        l = np.where(empty, 1, self.l)
+        out = self.acc / l[:, None]
+        shift = self.shift * self.shift.dtype.type(LN2) if self.exp is np.exp2 else self.shift
+        with np.errstate(invalid="ignore"):
+            lse = shift + np.log(l)
+        if empty.any():
+            out[empty] = 0
+            lse[empty] = -np.inf
+        return out, lse
+
+
+class _Worker:
+    """One thread: its counts, and what it keeps between units.
+
+    Units whose rows of the block mask are equal (the heads and batch entries of a mask
+    created with None, the same query block) share their pieces and their partial blocks'
+    masks: a worker computes each once and keeps the last ``CACHE_SIZE`` of them. What a unit
+    computes does not depend on what the worker kept, so the bits do not either.
+    """
+
+    CACHE_SIZE = 256
+
+    def __init__(self, tiling: _Tiling):
+        self.tiling = tiling
+        self.stats = FlexStats()
+        self.pieces: dict = {}
+        self.masks: dict = {}
+
+    def drain(self, units: list, counter, failed: list) -> None:
+        """Take units from the shared list until it is empty, or another worker failed."""
+        try:
+            while not failed:
+                i = next(counter)
+                if i >= len(units):
+                    return
+                self.run(*units[i])
+        except BaseException:
+            failed.append(True)
+            raise
+
+    def run(self, b: int, hk: int, g0: int, g1: int, m: int) -> None:
+        """Attention of the query block ``m`` of the heads ``g0:g1`` of key head ``hk``."""
+        tiling, stats = self.tiling, self.stats
+        call, kinds = tiling.call, tiling.kinds
+        G, heads = call.G, g1 - g0
+        t0, t1 = m * tiling.block_q, min(call.problem.T, (m + 1) * tiling.block_q)
+        mask_b = b if kinds.shape[0] > 1 else 0
+        mask_h = hk * G + g0 if tiling.per_head else 0
+        row = kinds[mask_b, mask_h, m]  # (n_kv,): what each key block holds
+        blocks = np.flatnonzero(row)
+        stats.units += 1
+        if call.block_mask is not None:
+            stats.computed += heads * blocks.size
+            stats.skipped += heads * (row.size - blocks.size)
+        if blocks.size == 0:
+            return  # out 0 and lse -inf, as set up
+        h = range(hk * G + g0, hk * G + g1)
+        with overflow_checked(call.problem):  # scaled here, in the worker threads
+            q_tile = call.query[b, hk, g0:g1, t0:t1] * tiling.factor  # (heads, Bq, Dk)
+        q_tile = q_tile.reshape(heads * (t1 - t0), -1)
+        key, value = call.key[b, hk, 0], call.value[b, hk, 0]  # (S, Dk), (S, Dv)
+        softmax = _Softmax(tiling.exp)
+        per_piece = max(1, tiling.block_k // tiling.block_kv)
+        for first in range(0, blocks.size, per_piece):
+            piece = self.piece(row, blocks[first : first + per_piece])
+            masks = self.disallowed(piece, (mask_b, mask_h, m, piece.key), h, t0, t1)
+            self.add_piece(softmax, piece, masks, q_tile, key, value, (b, h, t0, t1))
+        out, lse = softmax.result()
+        tiling.out[b, hk, g0:g1, t0:t1] = out.reshape(heads, t1 - t0, -1)
+        tiling.lse[b, hk, g0:g1, t0:t1] = lse.reshape(heads, t1 - t0)
+
+    def add_piece(self, softmax, piece: _Piece, masks: list, q_tile, key, value, where) -> None:
+        """One piece into the unit's softmax: a product per tile (a run of full blocks, or of
+        partial ones), masked and modified; ``where`` is ``(b, h, t0, t1)``."""
+        b, h, t0, t1 = where
+        keys, values = piece.gather(key), piece.gather(value)
+        tiles = piece.tiles
+        self.stats.tiles += len(tiles)
+        if self.tiling.call.block_mask is not None:
+            self.stats.masked += len(h) * piece.n_partial
+        scores = []
+        for c0, c1, p in tiles:
+            mask = None if p is None else masks[p]
+            scores.append(self.scores(q_tile, keys[c0:c1], mask, b, h, t0, t1, piece.cols[c0:c1]))
+        partial = [p is not None for *_, p in tiles]
+        softmax.add(scores, [values[c0:c1] for c0, c1, _ in tiles], partial)
+
+    def cached(self, cache: dict, key, make: Callable):
+        """``cache[key]``, made by ``make()`` when missing (the cache emptied when full)."""
+        value = cache.get(key)
+        if value is None:
+            if len(cache) >= self.CACHE_SIZE:
+                cache.clear()
+            value = cache[key] = make()
+        return value
+
+    def piece(self, row: np.ndarray, blocks: np.ndarray) -> _Piece:
+        """The piece of the key ``blocks`` of a query block whose kinds are ``row``."""
+        S, block_kv = self.tiling.call.problem.S, self.tiling.block_kv
+        key = (row.tobytes(), int(blocks[0]))
+        return self.cached(
+            self.pieces,
+            key,
+            lambda: _Piece.of(key, blocks.tolist(), row[blocks].tolist(), block_kv, S),
+        )
+
+    def disallowed(self, piece: _Piece, key: tuple, h: range, t0: int, t1: int) -> list:
+        """The mask of each run ``c0:c1`` of partial blocks of the piece, broadcastable to
+        ``(1, heads, t1 - t0, c1 - c0)``: ``~mask_mod`` (True = disallowed), or in base 2 a
+        bias of 0 and ``-inf``, which one addition applies (the scores are finite there)."""
+        tiling = self.tiling
+        bm = tiling.call.block_mask
+        if bm is None or not piece.partial:
+            return []
+        mask_b, mask_h = key[0], (h if tiling.per_head else [0])
+        dtype = tiling.call.dtype
+
+        def evaluate():
+            masks = []
+            for c0, c1 in piece.partial:
+                rows, cols = range(t0, t1), piece.cols[c0:c1]
+                allowed = evaluate_mask_mod(bm.mask_mod, [mask_b], mask_h, rows, cols)
+                if tiling.exp is np.exp2:
+                    masks.append(np.where(allowed, dtype.type(0), dtype.type(-np.inf)))
+                else:
+                    masks.append(~allowed)
+            return masks
+
+        return self.cached(self.masks, key, evaluate)
+
+    def scores(self, q_tile, key, mask, b, h, t0, t1, cols) -> np.ndarray:
+        """A tile's masked, modified scores ``(1, heads, t1 - t0, keys)``: ``key`` holds its
+        keys ``(keys, Dk)``, at positions ``cols``; ``mask`` is None for full blocks."""
+        call = self.tiling.call
+        problem = call.problem
+        heads, rows = len(h), t1 - t0
+        with overflow_checked(problem):
+            scores = q_tile @ key.T  # (heads * Bq, Dk) @ (Dk, keys) -> (heads * Bq, keys)
+        scores4 = scores.reshape(1, heads, rows, -1)
+        if problem.may_overflow:  # then the tiles are in base e: a mask is ~mask_mod
+            check_overflow(problem, scores4, None if mask is None else ~mask, None)
+        if call.score_mod is not None:
+            scores4 = _apply_score_mod(call, scores4, [b], h, range(t0, t1), cols)
+        if mask is None:
+            pass
+        elif mask.dtype == bool:  # replaced, not added: a score_mod's NaN there is hidden
+            np.copyto(scores4, call.dtype.type(-np.inf), where=mask)
+        else:
+            np.add(scores4, mask, out=scores4)
+        return scores4
+
+
+def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> None:
+    """Share the units out among worker threads; add their counts to ``stats``."""
+    units = _units(tiling)
+    n_threads = max(1, min(num_threads or default_num_threads(), len(units)))
+    counter = itertools.count()
+    failed = []  # set by a worker whose unit raised: the others stop taking units
+    workers = [_Worker(tiling) for _ in range(n_threads)]
+    if n_threads == 1:
+        with single_threaded_blas():  # BLAS's threads slow small products down
+            workers[0].drain(units, counter, failed)
+    else:
+        run_in_threads([functools.partial(w.drain, units, counter, failed) for w in workers])
+    if stats is not None:
+        for w in workers:
+            stats.add(w.stats)
+
+
+def _flex_tiled(call: _FlexCall, block_k: int, num_threads, stats) -> tuple[np.ndarray, np.ndarray]:
+    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time."""
+    tiling = _tiling(call, block_k)
+    _run(tiling, num_threads, stats)
+    T = call.problem.T
+    return tiling.out.reshape(call.B, call.Hq, T, -1), tiling.lse.reshape(call.B, call.Hq, T)
+
+
+# ----------------------------------------------------------------------------------------
+# Both paths: empty calls, non-finite inputs, the result
+# ----------------------------------------------------------------------------------------
+
+
+def _flags(bad: np.ndarray | None, call: _FlexCall, length: int) -> np.ndarray | None:
+    """``(B, Hq, length)`` bool from the problem's flags of non-finite rows, or None."""
+    if bad is None:
+        return None
+    full = np.broadcast_to(bad, (*call.problem.batch_shape, length))
+    return full.reshape(call.B, call.Hq, length)
+
+
+def _rows_reaching(call: _FlexCall, flags: np.ndarray) -> np.ndarray:
+    """``(B, Hq, T)`` bool: the query rows that may attend a key flagged in ``flags``
+    ``(B, Hq, S)``. ``mask_mod`` is called on the flagged keys' entries in partial blocks only,
+    so never on an empty block."""
+    T = call.problem.T
+    bm = call.block_mask
+    if bm is None:
+        return np.broadcast_to(flags.any(axis=-1)[..., None], (call.B, call.Hq, T))
+    reach = np.zeros((call.B, call.Hq, T), dtype=bool)
+    block_q, block_kv = bm.BLOCK_SIZE
+    for j in np.flatnonzero(flags.any(axis=(0, 1))):
+        for mb, mh in np.ndindex(*bm.shape[:2]):
+            kinds = np.repeat(bm.kinds[mb, mh, :, j // block_kv], block_q)[:T]  # (T,)
+            allowed = kinds == FULL
+            rows = np.flatnonzero(kinds == PARTIAL)
+            if rows.size:
+                allowed[rows] = evaluate_mask_mod(bm.mask_mod, [mb], [mh], rows, [j])[0, 0, :, 0]
+            b = slice(None) if bm.shape[0] == 1 else mb
+            h = slice(None) if bm.shape[1] == 1 else mh
+            reach[b, h] |= allowed & flags[b, h, j][..., None]
+    return reach
+
+
+def _mark_non_finite(call: _FlexCall, out: np.ndarray, lse: np.ndarray) -> None:
+    """NaN in, NaN out: set to NaN the rows of ``out`` and ``lse`` (in place) whose query holds
+    NaN or inf or that may attend such a key, and the rows of ``out`` that may attend such a
+    value, as :func:`sdpa.scaled_dot_product_attention` does (the inputs were zeroed there)."""
+    problem = call.problem
+    T, S = problem.T, problem.S
+    bad_query = _flags(problem.bad_query, call, T)
+    if bad_query is not None:
+        out[bad_query] = np.nan
+        lse[bad_query] = np.nan
+    for bad, with_lse in ((problem.bad_key, True), (problem.bad_value, False)):
+        flags = _flags(bad, call, S)
+        if flags is None:
+            continue
+        reach = _rows_reaching(call, flags)
+        out[reach] = np.nan
+        if with_lse:
+            lse[reach] = np.nan
+
+
+def _is_empty(call: _FlexCall) -> bool:
+    return 0 in (call.B, call.Hq, call.problem.T, call.problem.S)
+
+
+def _finish(call: _FlexCall, out: np.ndarray, lse: np.ndarray, return_lse: bool):
+    """The caller's dtypes: ``out`` in the inputs' dtype, ``lse`` at least in float32."""
+    _mark_non_finite(call, out, lse)
+    out = out.astype(call.problem.out_dtype, copy=False)
+    if not return_lse:
+        return out
+    return out, lse.astype(lse_dtype(call.problem.out_dtype), copy=False)
+
+
+def _empty(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
+    shape = (call.B, call.Hq, call.problem.T)
+    out = np.zeros((*shape, call.problem.Dv), dtype=call.dtype)
+    return out, np.full(shape, -np.inf, dtype=call.dtype)
+
+
+def _computed_scores(call: _FlexCall) -> int:
+    """Scores the tiled path would compute: the entries of the non-empty blocks."""
+    T, S = call.problem.T, call.problem.S
+    bm = call.block_mask
+    if bm is None:
+        return call.B * call.Hq * T * S
+    block_q, block_kv = bm.BLOCK_SIZE
+    rows = np.diff(np.minimum(np.arange(bm.kinds.shape[2] + 1) * block_q, T))  # (n_q,)
+    cols = np.diff(np.minimum(np.arange(bm.kinds.shape[3] + 1) * block_kv, S))  # (n_kv,)
+    per_mask = int(((bm.kinds != 0) * rows[:, None] * cols[None, :]).sum())
+    return per_mask * (call.B * call.Hq) // (bm.shape[0] * bm.shape[1])
+
+
+def _worth_tiling(call: _FlexCall) -> bool:
+    """The rule of ``implementation="auto"`` (see ``MIN_TILED_SCORES``): no timing."""
+    T, S = call.problem.T, call.problem.S
+    n_scores = call.B * call.Hq * T * S
+    if n_scores < MIN_TILED_SCORES:
+        return False
+    block_q = BLOCK_ROWS // call.G if call.block_mask is None else call.block_mask.BLOCK_SIZE[0]
+    units = call.B * call.Hkv * -(-T // max(1, block_q))
+    if call.block_mask is not None and call.block_mask.shape[1] > 1:
+        units *= call.G  # one head per unit
+    if _computed_scores(call) >= MIN_UNIT_SCORES * units:
+        return True
+    need = 3 * n_scores * call.dtype.itemsize
+    available = available_memory() if need > (1 << 28) else None
+    return available is not None and need > available / 4
+
+
+# ----------------------------------------------------------------------------------------
+# The public functions
+# ----------------------------------------------------------------------------------------
+
+
+def flex_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    score_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    implementation: str = "auto",
+):
+    r"""Attention with a programmable score (``score_mod``) and mask (``block_mask``).
+
+    PyTorch's ``torch.nn.attention.flex_attention`` in NumPy: one function for ALiBi,
+    soft-capping, causal, sliding-window, document and prefix-LM attention and their
+    combinations, each written as a line of NumPy.
+
+    Parameters
+    ----------
+    query : (B, Hq, T, Dk) array_like
+        Queries.
+    key : (B, Hkv, S, Dk) array_like
+        Keys.
+    value : (B, Hkv, S, Dv) array_like
+        Values.
+    score_mod : callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx) -> array``: the modified scores. ``score`` is
+        a 4-D array of scaled scores ``scale * q . k`` (all of them, or a block of them), and
+        ``b``, ``h``, ``q_idx``, ``kv_idx`` are integer arrays of shapes ``(n_b, 1, 1, 1)``,
+        ``(1, n_h, 1, 1)``, ``(1, 1, n_q, 1)`` and ``(1, 1, 1, n_kv)`` that broadcast against
+        it: the batch entry, query head, query position and key position of each score,
+        always inside the matrix. It returns an array of the scores' shape (or one that
+        broadcasts to it). The result must not depend on which block it is called on. A
+        score it sets to ``-inf`` is excluded like a masked one.
+    block_mask : BlockMask, optional
+        From :func:`sdpa.create_block_mask`, of shape ``(B or 1, Hq or 1, T, S)``: entries its
+        ``mask_mod`` returns False for get weight exactly 0, and the tiled path never
+        computes a block that holds no allowed entry.
+    scale : float, optional
+        Multiplier of ``q . k``; default ``1 / sqrt(Dk)``.
+    enable_gqa : bool, default False
+        Grouped-query attention: ``Hq`` a multiple of ``Hkv``, query head ``h`` using key/value
+        head ``h // (Hq // Hkv)``. Without it the heads must be equal, or ``Hkv = 1``.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row.
+    implementation : {"auto", "reference", "tiled"}, default "auto"
+        ``"reference"`` forms the whole ``(B, Hq, T, S)`` score matrix; ``"tiled"`` works on
+        one block of query rows at a time and skips the empty blocks (see
+        :func:`sdpa.flex.flex_attention_tiled`); ``"auto"`` takes the tiled path when the
+        score matrix holds at least ``2**19`` scores and the tiled path's work units at least
+        ``2**14`` scores each on average, or when the reference path would take more than a
+        quarter of the available memory. Both give the same result to rounding.
+
+    Returns
+    -------
+    out : (B, Hq, T, Dv) np.ndarray
+        Alone, or first in ``(out, lse)``.
+    lse : (B, Hq, T) np.ndarray
+        With ``return_lse``: the natural log of ``sum(exp(scores))`` over the modified,
+        allowed scores of each row; ``-inf`` for a row with no allowed key.
+
+    Raises
+    ------
+    TypeError
+        For complex, object or masked-array inputs, a ``score_mod`` that is not callable or
+        returns no real array, a ``block_mask`` that is not a :class:`sdpa.BlockMask`, a
+        ``mask_mod`` that returns no bool array, or a flag that is not a bool.
+    ValueError
+        For inputs that are not 4-D or do not share ``Dk`` and ``S``, head counts that do not
+        fit, a ``block_mask`` of another shape (other lengths, or a batch or head count other
+        than 1 and the call's), a mod result of the wrong shape, a bad ``scale`` or
+        ``implementation``, and scores that overflow the working dtype.
+    MemoryError
+        When the reference path's score matrix would not fit in the available memory.
+
+    Notes
+    -----
+    For query ``i`` of head ``h`` in batch entry ``b``, with ``z_ij`` the result of
+    ``score_mod`` on ``scale * q_i . k_j`` and ``M`` the entries ``mask_mod`` allows,
+
+    .. math:: o_i = \frac{\sum_{j \in M_i} e^{z_{ij}} v_j}{\sum_{j \in M_i} e^{z_{ij}}},
+              \qquad \operatorname{lse}_i = \log \sum_{j \in M_i} e^{z_{ij}}.
+
+    **Fully masked rows.** A row with no allowed key (every entry masked, or set to ``-inf``
+    by ``score_mod``) gets ``out = 0`` and ``lse = -inf``, with no NaN and no warning, on both
+    paths. A ``score_mod`` that returns NaN or ``+inf`` for an allowed entry makes its row NaN.
+
+    **Dtypes.** float16, float32 and float64 inputs give ``out`` in their dtype (float16 is
+    computed in float32, its ``lse`` returned in float32); mixed dtypes promote; the mods see
+    scores in the working dtype and may return any real dtype (cast back to it).
+
+    **The mods' calls.** ``score_mod`` is called on the whole score matrix (reference) or on
+    the computed blocks of one block of query rows (tiled), possibly from several threads at
+    once; ``mask_mod`` on the whole matrix (reference) or on the partial blocks only (tiled).
+    With a mask created with ``B`` or ``H`` None, ``mask_mod`` is called with ``b = 0`` or
+    ``h = 0``.
+
+    **Non-finite inputs** (NaN in, NaN out): a query row holding NaN or inf, or a key it may
+    attend, makes its ``out`` and ``lse`` NaN; a value it may attend, its ``out``. A key the
+    mask hides never reaches a row.
+
+    **Differences from PyTorch.** The mods are vectorised NumPy functions of index arrays, not
+    scalar functions traced by ``torch.compile``; ``lse`` is returned with ``return_lse``
+    (PyTorch 2.13 asks for ``return_aux``); a block mask's shorter last block may be full.
+
+    Examples
+    --------
+    ALiBi is one line of ``score_mod``; a causal mask one line of ``mask_mod``:
+
+    >>> import numpy as np
+    >>> from sdpa import alibi_slopes, create_block_mask, flex_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 4, 256, 16)) for _ in range(3))  # (B, H, T, D)
+    >>> slopes = alibi_slopes(4)  # one per head
+    >>> def alibi(score, b, h, q_idx, kv_idx):
+    ...     return score + slopes[h] * (kv_idx - q_idx)
+    >>> def causal(b, h, q_idx, kv_idx):
+    ...     return q_idx >= kv_idx
+    >>> mask = create_block_mask(causal, None, None, 256, 256, BLOCK_SIZE=64)
+    >>> mask.sparsity()  # 6 of the 16 blocks hold no allowed entry: never computed
+    37.5
+    >>> out, lse = flex_attention(q, k, v, score_mod=alibi, block_mask=mask, return_lse=True)
+    >>> out.shape, lse.shape
+    ((1, 4, 256, 16), (1, 4, 256))
+
+    The same as ALiBi's explicit bias with a causal mask:
+
+    >>> from sdpa import alibi_bias, scaled_dot_product_attention
+    >>> bias = np.where(np.tri(256, dtype=bool), alibi_bias(4, 256, 256), -np.inf)
+    >>> bool(np.allclose(out, scaled_dot_product_attention(q, k, v, bias)))
+    True
+
+    Soft-capping squeezes every score into ``(-cap, cap)``; the first query sees one key only:
+
+    >>> capped = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: 30 * np.tanh(s / 30),
+    ...                         block_mask=mask)
+    >>> bool(np.allclose(capped[0, :, 0], v[0, :, 0]))
+    True
+    """
+    return_lse = check_bool(return_lse, "return_lse")
+    if implementation not in ("auto", "reference", "tiled"):
+        raise ValueError(
+            f"implementation must be 'auto', 'reference' or 'tiled'; got {implementation!r}"
+        )
+    call = _check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if _is_empty(call):
+        out, lse = _empty(call)
+    elif implementation == "tiled" or (implementation == "auto" and _worth_tiling(call)):
+        out, lse = _flex_tiled(call, BLOCK_K, None, None)
+    else:
+        out, lse = _flex_reference(call)
+    return _finish(call, out, lse, return_lse)
+
+
+def flex_attention_tiled(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    score_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    *,
+    block_k: int | None = None,
+    num_threads: int | None = None,
+    stats: FlexStats | None = None,
+):
+    """The tiled path of :func:`sdpa.flex_attention`, with its tunables and its counts.
+
+    Parameters
+    ----------
+    query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse
+        As in :func:`sdpa.flex_attention`.
+    block_k : int, optional
+        Keys per product: a block of query rows' non-empty key blocks are gathered and cut
+        into pieces of at most this many keys (whole blocks, one at least), with an online
+        softmax across the pieces. Default ``BLOCK_K`` (4096).
+    num_threads : int, optional
+        Worker threads; default :func:`sdpa.threads.default_num_threads`. The result is the
+        same, bit for bit, for every thread count.
+    stats : FlexStats, optional
+        Receives the counts of units, products and computed, masked and skipped blocks.
+
+    Returns
+    -------
+    out : (B, Hq, T, Dv) np.ndarray
+        Alone, or first in ``(out, lse)``.
+    lse : (B, Hq, T) np.ndarray
+        With ``return_lse``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`sdpa.flex_attention`, and for a ``block_k`` or ``num_threads`` that is not a
+        positive integer, or ``stats`` that is not a :class:`FlexStats`.
+
+    Examples
+    --------
+    A causal block mask in 8 x 8 blocks of 32 x 32: 28 of the 64 blocks are skipped, and
+    ``mask_mod`` runs on the 8 diagonal ones only:
+
+    >>> import numpy as np
+    >>> from sdpa import create_block_mask, flex_attention
+    >>> from sdpa.flex import FlexStats, flex_attention_tiled
+    >>> x = np.random.default_rng(1).standard_normal((1, 1, 256, 8))  # (B, H, T, D)
+    >>> mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256, BLOCK_SIZE=32)
+    >>> stats = FlexStats()
+    >>> out = flex_attention_tiled(x, x, x, block_mask=mask, stats=stats)
+    >>> stats.computed, stats.masked, stats.skipped
+    (36, 8, 28)
+    >>> bool(np.allclose(out, flex_attention(x, x, x, block_mask=mask, implementation="reference")))
+    True
+    """
+    return_lse = check_bool(return_lse, "return_lse")
+    block_k = BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
+    if num_threads is not None:
+        num_threads = check_positive_int(num_threads, "num_threads")
+    if stats is not None and not isinstance(stats, FlexStats):
+        raise TypeError(f"stats must be a FlexStats or None; got {type(stats).__name__}")
+    call = _check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if _is_empty(call):
+        out, lse = _empty(call)
+    else:
+        out, lse = _flex_tiled(call, block_k, num_threads, stats)
+    return _finish(call, out, lse, return_lse)
