@@ -258,10 +258,23 @@ def _own_venv(folder: Path, env: dict) -> None:
     (folder / ".venv" / ".installed").touch()  # the Makefile's stamp: the environment is ready
 
 
-def _site_packages_state() -> dict[str, float]:
-    """Every entry of this test's site-packages and its modification time."""
+def _site_packages_state() -> dict[str, float | None]:
+    """What an install into this test's site-packages would change: every entry's name, each
+    file's modification time (.pth files: where an editable install points) and each
+    distribution's RECORD's. A package folder's own time is left out: it changes whenever
+    Python first writes a module's bytecode there, which a fresh environment does during a run.
+    """
     root = Path(sysconfig.get_paths()["purelib"])
-    return {entry.name: entry.stat().st_mtime for entry in root.iterdir()}
+    state: dict[str, float | None] = {}
+    for entry in root.iterdir():
+        record = entry / "RECORD"
+        if entry.is_file():
+            state[entry.name] = entry.stat().st_mtime
+        elif entry.name.endswith(".dist-info") and record.exists():
+            state[entry.name] = record.stat().st_mtime
+        else:
+            state[entry.name] = None
+    return state
 
 
 def _build_unpacked(archive: bytes, tmp: Path) -> dict:
