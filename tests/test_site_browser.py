@@ -8,7 +8,8 @@ image loaded and described by alt text; and, over http, working links to the pag
 sources (.md, and .ipynb for executed pages). It also asserts that nothing is clipped: on the
 desktop no table, formula or figure is wider than the content column and no figure is shrunk below
 3/4 of its size (so its 9-point text stays at least 9 px); on the phone the page never scrolls
-sideways, and a table too wide for the screen scrolls inside a container that shows a cue. A
+sideways, and a table too wide for the screen scrolls inside a container that shows a cue; in
+both, exactly one search box or button is in view. A
 full-page screenshot of each visit is saved in ``_build/screenshots/<mode>/``.
 
 The pages are visited once per mode by a module fixture (a few at a time, to keep the run short);
@@ -210,8 +211,17 @@ async () => {
                     scale: img.clientWidth / img.naturalWidth, natural: img.naturalWidth,
                     width: img.getBoundingClientRect().width}));
 
+  // Search boxes and buttons a reader can see (the theme can add a second one to the header).
+  const searches = Array.from(document.querySelectorAll(
+      ".search-button__button, input[type='search'], form.bd-search"))
+    .filter((node) => {
+      const box = node.getBoundingClientRect();
+      return box.width > 0 && box.height > 0 && getComputedStyle(node).visibility !== "hidden";
+    }).length;
+
   return {
     pageScroll: document.documentElement.scrollWidth - window.innerWidth,
+    searches,
     wide,
     figures,
     mathNodes: mathNodes.length,
@@ -234,6 +244,8 @@ def _judge_layout(report: dict, mode: str) -> list[str]:
     :func:`_figure_text`).
     """
     problems = []
+    if report.get("searches", 1) != 1:
+        problems.append(f"{report['searches']} search boxes or buttons in view, not one")
     small = [(n, px) for n, px in report.get("figureText", []) if px < MIN_TEXT_PX[mode]]
     if small:
         problems.append(f"figure text under {MIN_TEXT_PX[mode]:g} px: {small}")
@@ -518,3 +530,4 @@ def test_layout_judge_checks_figure_text():
     assert "figure text under 10 px" in _judge_layout(ok, "desktop")[0]
     tiny = {**ok, "figureText": [("fig.svg", 8.99)]}
     assert "figure text under 9 px" in _judge_layout(tiny, "phone")[0]
+    assert "2 search boxes" in _judge_layout({**ok, "searches": 2}, "phone")[0]
