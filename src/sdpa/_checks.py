@@ -223,6 +223,18 @@ def check_positive_int(value, name: str) -> int:
     return check_int(value, name, minimum=1)
 
 
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` broadcasts to exactly ``target`` (never beyond it).
+
+    >>> broadcasts_to((1, 5), (3, 5)), broadcasts_to((2, 5), (3, 5)), broadcasts_to((2, 3, 5), (3, 5))
+    (True, False, False)
+    """
+    try:
+        return np.broadcast_shapes(shape, target) == tuple(target)
+    except ValueError:
+        return False
+
+
 def shape_error(what: str, **arrays) -> ValueError:
     """``ValueError(what; got name.shape=..., ...)`` for arrays whose shapes do not fit."""
     given = ", ".join(f"{name}.shape={tuple(a.shape)}" for name, a in arrays.items())

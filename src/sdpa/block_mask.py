@@ -34,7 +34,7 @@ from numbers import Integral
 
 import numpy as np
 
-from ._checks import as_array, check_positive_int
+from ._checks import as_array, broadcasts_to, check_positive_int
 
 __all__ = ["BlockMask", "create_block_mask"]
 
@@ -71,12 +71,7 @@ def evaluate_mask_mod(mask_mod: Callable, b, h, q_idx, kv_idx) -> np.ndarray:
         raise TypeError(
             f"mask_mod must return a bool array (True = may attend); got dtype {allowed.dtype}"
         )
-    try:
-        np.broadcast_shapes(allowed.shape, shape)
-        fits = allowed.ndim <= 4 and np.broadcast_shapes(allowed.shape, shape) == shape
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(allowed.shape, shape):
         raise ValueError(
             f"mask_mod must return an array that broadcasts to the shape of its index arrays "
             f"(b, h, q_idx, kv_idx) = {shape}; got shape {allowed.shape}"

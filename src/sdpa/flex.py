@@ -58,6 +58,7 @@ from ._checks import (
     ATTENTION_MASK_HINT,
     as_array,
     available_memory,
+    broadcasts_to,
     check_bool,
     check_memory,
     check_positive_int,
@@ -246,11 +247,7 @@ def _apply_score_mod(call: _FlexCall, scores: np.ndarray, b, h, q_idx, kv_idx) -
         raise TypeError(
             f"score_mod must return real scores (a float array); got dtype {result.dtype}"
         )
-    try:
-        fits = np.broadcast_shapes(result.shape, scores.shape) == scores.shape
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(result.shape, scores.shape):
         raise ValueError(
             f"score_mod must return an array of the shape of its scores {scores.shape} (or one "
             f"that broadcasts to it); got shape {result.shape}"

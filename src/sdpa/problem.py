@@ -27,6 +27,7 @@ from numpy.typing import ArrayLike
 from ._checks import (
     ATTENTION_MASK_HINT,
     as_array,
+    broadcasts_to,
     check_alignment,
     check_bool,
     check_query_key_value,
@@ -209,11 +210,7 @@ def _check_mask(attn_mask, full_heads_shape: tuple[int, ...], work_dtype: np.dty
         )
     if mask.ndim == 0:
         raise ValueError("attn_mask must have at least one dimension (S,); got a 0-d array")
-    try:
-        fits = np.broadcast_shapes(mask.shape, full_heads_shape) == full_heads_shape
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(mask.shape, full_heads_shape):
         raise ValueError(
             f"attn_mask must broadcast to the attention weights of shape {full_heads_shape} "
             f"(..., H, T, S); got attn_mask.shape={mask.shape}"
@@ -259,11 +256,7 @@ def _check_sinks(sinks, rows_shape: tuple[int, ...], work_dtype: np.dtype) -> np
         raise TypeError(
             f"sinks must be a real floating or integer array of logits; got dtype {arr.dtype}"
         )
-    try:
-        fits = np.broadcast_shapes(arr.shape, rows_shape) == rows_shape
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(arr.shape, rows_shape):
         raise ValueError(
             f"sinks must broadcast to the weights' shape without the key axis, {rows_shape} "
             f"(..., H, T): a per-head logit is sinks[:, None], of shape (H, 1); "
