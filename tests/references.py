@@ -13,11 +13,13 @@ import math
 import numpy as np
 
 
-def attention_loop_2d(q, k, v, allowed=None, bias=None, scale=None):
+def attention_loop_2d(q, k, v, allowed=None, bias=None, scale=None, sinks=None):
     """One (T, Dk) x (S, Dk) x (S, Dv) problem with Python loops and math.fsum, in float64.
 
     ``allowed`` (T, S) bool: False entries are left out of the softmax. ``bias`` (T, S) float:
-    added to the scaled scores. Fully masked rows give out 0, weights 0, lse -inf.
+    added to the scaled scores. ``sinks`` (T,): a sink logit per row, one more term of the
+    normaliser with no value (``exp(z_ij) / (sum_j exp(z_ij) + exp(s_i))``), included in the
+    lse. Fully masked rows give out 0, weights 0, and lse -inf (or the row's sink).
     """
     T_, Dk = q.shape
     S_, Dv = v.shape
@@ -36,16 +38,17 @@ def attention_loop_2d(q, k, v, allowed=None, bias=None, scale=None):
                 s += float(bias[i, j])
             if s != -math.inf:
                 scores[j] = s
-        if not scores:
+        sink = [] if sinks is None else [float(sinks[i])]
+        terms = [*scores.values(), *sink]
+        if not terms or max(terms) == -math.inf:
             continue
-        m = max(scores.values())
-        e = {j: math.exp(s - m) for j, s in scores.items()}
-        total = math.fsum(e.values())
+        m = max(terms)
+        total = math.fsum(math.exp(s - m) for s in terms)
         lse[i] = m + math.log(total)
-        for j in e:
-            weights[i, j] = e[j] / total
+        for j, s in scores.items():
+            weights[i, j] = math.exp(s - m) / total
         for d in range(Dv):
-            out[i, d] = math.fsum(weights[i, j] * float(v[j, d]) for j in e)
+            out[i, d] = math.fsum(weights[i, j] * float(v[j, d]) for j in scores)
     return out, weights, lse
 
 

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import pytest
-from references import band_by_loop, central_differences
+from references import attention_loop_2d, band_by_loop, central_differences
 
 import sdpa
 from sdpa import KVCache
@@ -41,36 +41,10 @@ def randn(rng, *shape, dtype=np.float64, size=1.0):
 # ---------------------------------------------------------------------------------------------
 
 
-def sink_loop_2d(q, k, v, sinks, allowed=None, bias=None, scale=None):
-    """One (T, Dk) x (S, Dk) x (S, Dv) problem with a sink logit per row ``sinks`` (T,)."""
-    T_, Dk = q.shape
-    S_, Dv = v.shape
-    scale = 1.0 / math.sqrt(Dk) if scale is None else scale
-    out, weights, lse = np.zeros((T_, Dv)), np.zeros((T_, S_)), np.full(T_, -np.inf)
-    for i in range(T_):
-        terms = {}
-        for j in range(S_):
-            if allowed is not None and not allowed[i, j]:
-                continue
-            z = scale * math.fsum(float(q[i, d]) * float(k[j, d]) for d in range(Dk))
-            terms[j] = z + (0.0 if bias is None else float(bias[i, j]))
-        s = float(sinks[i])
-        every = [*terms.values(), s]
-        m = max(every)
-        if m == -math.inf:
-            continue  # no key and no sink
-        total = math.fsum(math.exp(t - m) for t in every)
-        lse[i] = m + math.log(total)
-        for j, z in terms.items():
-            weights[i, j] = math.exp(z - m) / total
-        for d in range(Dv):
-            out[i, d] = math.fsum(weights[i, j] * float(v[j, d]) for j in terms)
-    return out, weights, lse
-
-
 def sink_loop(q, k, v, sinks, *, attn_mask=None, is_causal=False, alignment="top_left",
               window=None, scale=None, enable_gqa=False):  # fmt: skip
-    """The batched reference: broadcast everything explicitly, one sink_loop_2d per head.
+    """The batched reference: broadcast everything explicitly, one
+    ``references.attention_loop_2d`` (with ``sinks``) per head.
 
     With ``enable_gqa`` query head ``h`` reads key/value head ``h // G`` (``np.repeat``).
     """
@@ -92,8 +66,8 @@ def sink_loop(q, k, v, sinks, *, attn_mask=None, is_causal=False, alignment="top
             allowed = band & mask[idx]
         elif mask is not None:
             bias = mask[idx]
-        out[idx], weights[idx], lse[idx] = sink_loop_2d(
-            q[idx], k[idx], v[idx], s[idx], allowed, bias, scale
+        out[idx], weights[idx], lse[idx] = attention_loop_2d(
+            q[idx], k[idx], v[idx], allowed, bias, scale, sinks=s[idx]
         )
     return out, weights, lse
 
