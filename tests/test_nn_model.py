@@ -517,3 +517,80 @@ def test_rng_of_generate_must_be_a_generator():
 def test_use_cache_must_be_bool():
     with pytest.raises(TypeError, match="use_cache must be a bool; got 'no'"):
         make_model().generate(np.array([1]), 2, temperature=0, use_cache="no")
+
+
+# -- forward's probes: kv_transform and attn_mask --------------------------------------------
+
+
+def _small_model(**kwargs):
+    return nn.DecoderLM(
+        vocab_size=9,
+        d_model=8,
+        n_layers=2,
+        n_heads=2,
+        max_len=6,
+        rng=np.random.default_rng(3),
+        **kwargs,
+    )
+
+
+def test_kv_transform_sees_every_layer_and_identity_changes_nothing():
+    model, tokens = _small_model(n_kv_heads=1), np.array([[1, 4, 2, 7, 0]])
+    seen = []
+
+    def record(layer, k, v):
+        seen.append((layer, k.shape, v.shape))
+        return k, v
+
+    assert np.array_equal(model.forward(tokens, kv_transform=record), model.forward(tokens))
+    assert seen == [(0, (1, 1, 5, 4), (1, 1, 5, 4)), (1, (1, 1, 5, 4), (1, 1, 5, 4))]
+
+
+def test_zero_values_remove_attention_like_zeroing_w_o():
+    model, tokens = _small_model(), np.array([[1, 4, 2, 7, 0]])
+    zeroed = model.forward(tokens, kv_transform=lambda i, k, v: (k, np.zeros_like(v)))
+    for i in range(model.n_layers):
+        model.params[f"blocks.{i}.attn.w_o"][:] = 0
+    np.testing.assert_allclose(zeroed, model.forward(tokens), rtol=1e-12, atol=1e-12)
+
+
+def test_kv_transform_gets_copies_and_bad_results_are_refused():
+    model, tokens = _small_model(), np.array([1, 4, 2])
+    before = model.forward(tokens)
+
+    def scribble(i, k, v):
+        k[...] = 0.0  # a copy: the model's own arrays are untouched
+        return k, v
+
+    model.forward(tokens, kv_transform=scribble)
+    assert np.array_equal(model.forward(tokens), before)
+    with pytest.raises(TypeError, match="kv_transform must return"):
+        model.forward(tokens, kv_transform=lambda i, k, v: k)
+    with pytest.raises(ValueError, match="kv_transform must keep the shapes"):
+        model.forward(tokens, kv_transform=lambda i, k, v: (k[..., :1, :], v))
+    with pytest.raises(TypeError, match="kv_transform must be callable"):
+        model.forward(tokens, kv_transform=3)
+
+
+def test_attn_mask_restricts_the_causal_attention():
+    model, tokens = _small_model(), np.array([[1, 4, 2, 7, 0]])
+    everything = np.ones((5, 5), dtype=bool)
+    np.testing.assert_allclose(
+        model.forward(tokens, attn_mask=everything), model.forward(tokens), rtol=1e-12, atol=1e-12
+    )
+    self_only = np.eye(5, dtype=bool)
+    logits, weights = model.forward(tokens, attn_mask=self_only, return_attention=True)
+    assert all(np.array_equal(w[0], np.broadcast_to(np.eye(5), w[0].shape)) for w in weights)
+    other = model.forward(np.array([[8, 8, 8, 7, 0]]), attn_mask=self_only)  # earlier tokens
+    np.testing.assert_array_equal(other[0, 3:], logits[0, 3:])  # no longer matter
+
+
+def test_attn_mask_is_checked():
+    model, tokens = _small_model(), np.array([1, 4, 2])
+    with pytest.raises(ValueError, match=r"attn_mask must be a boolean \(T, T\)"):
+        model.forward(tokens, attn_mask=np.ones((3, 4), dtype=bool))
+    with pytest.raises(ValueError, match=r"attn_mask must be a boolean"):
+        model.forward(tokens, attn_mask=np.ones((3, 3)))
+    upper = np.triu(np.ones((3, 3), dtype=bool), k=1)  # only future keys: none left
+    with pytest.raises(ValueError, match="leaves a query no key"):
+        model.forward(tokens, attn_mask=upper)

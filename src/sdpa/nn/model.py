@@ -382,20 +382,34 @@ class DecoderLM:
 
     # -- forward -------------------------------------------------------------------------------
 
-    def _forward(self, tokens: np.ndarray, *, keep: bool, return_attention: bool):
+    def _forward(
+        self,
+        tokens: np.ndarray,
+        *,
+        keep: bool,
+        return_attention: bool,
+        kv_transform=None,
+        attn_mask: np.ndarray | None = None,
+    ):
         """Logits ``(B, T, V)``, the final stream and per-block caches / attention weights."""
         x = self._embed(tokens, 0)
+        if attn_mask is not None:  # the causal mask and the caller's, combined
+            T = tokens.shape[1]
+            attn_mask = attn_mask & np.tril(np.ones((T, T), dtype=bool))
         caches, weights = [], []
         gqa = self.n_kv_heads != self.n_heads
         for i in range(self.n_layers):
             p = f"blocks.{i}."
             h = self._norm(x, p + "attn_norm")
             q, k, v = self._qkv(i, h, 0)
+            if kv_transform is not None:
+                k, v = self._transformed(kv_transform, i, k, v)
             result = scaled_dot_product_attention(
                 q,
                 k,
                 v,
-                is_causal=True,
+                attn_mask=attn_mask,
+                is_causal=attn_mask is None,
                 enable_gqa=gqa,
                 implementation=ATTENTION,
                 return_weights=return_attention,
@@ -414,7 +428,42 @@ class DecoderLM:
         logits = h_final @ self.params["unembedding"]  # (B, T, E) @ (E, V) -> (B, T, V)
         return logits, x, caches, weights
 
-    def forward(self, tokens: ArrayLike, *, return_attention: bool = False):
+    def _transformed(self, kv_transform, i: int, k: np.ndarray, v: np.ndarray):
+        """``kv_transform(i, k, v)``, checked: new arrays of the same shapes."""
+        result = kv_transform(i, k.copy(), v.copy())
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(f"kv_transform must return a (keys, values) pair; got {result!r:.80}")
+        new_k, new_v = (np.asarray(a, dtype=self.dtype) for a in result)
+        if new_k.shape != k.shape or new_v.shape != v.shape:
+            raise ValueError(
+                f"kv_transform must keep the shapes {k.shape} and {v.shape}; got "
+                f"{new_k.shape} and {new_v.shape}"
+            )
+        return new_k, new_v
+
+    def _check_mask(self, attn_mask, T: int) -> np.ndarray | None:
+        if attn_mask is None:
+            return None
+        mask = np.asarray(attn_mask)
+        if mask.dtype != bool or mask.shape != (T, T):
+            raise ValueError(
+                f"attn_mask must be a boolean (T, T) = ({T}, {T}) array; got "
+                f"dtype {mask.dtype}, shape {mask.shape}"
+            )
+        if not (mask & np.tril(np.ones_like(mask))).any(axis=1).all():
+            raise ValueError(
+                "attn_mask leaves a query no key at or before it (with the causal mask)"
+            )
+        return mask
+
+    def forward(
+        self,
+        tokens: ArrayLike,
+        *,
+        return_attention: bool = False,
+        kv_transform=None,
+        attn_mask: ArrayLike | None = None,
+    ):
         """Logits of the next token at every position.
 
         Parameters
@@ -423,6 +472,14 @@ class DecoderLM:
             Token ids in ``[0, vocab_size)``, with ``1 <= T <= max_len``.
         return_attention : bool, default False
             Also return the attention weights of every block.
+        kv_transform : callable, optional
+            ``kv_transform(layer, k, v) -> (k, v)``, applied to every block's keys and values
+            ``(B, Hkv, T, Dk)`` (after RoPE) before its attention: to measure what changing the
+            cache (quantising it, perturbing it) does to the model. It gets copies, and must
+            return arrays of the same shapes.
+        attn_mask : (T, T) array_like of bool, optional
+            Which keys each query may attend to, on top of the causal mask (``True``: may):
+            a window, a set of kept tokens. Every row must keep at least one key.
 
         Returns
         -------
@@ -436,10 +493,12 @@ class DecoderLM:
         Raises
         ------
         TypeError
-            If ``tokens`` is not an integer array or ``return_attention`` not a bool.
+            If ``tokens`` is not an integer array, ``return_attention`` not a bool,
+            ``kv_transform`` not callable or it does not return a pair.
         ValueError
             If ``tokens`` is not 1-D or 2-D, is empty, longer than ``max_len``, or holds an
-            id outside ``[0, vocab_size)``.
+            id outside ``[0, vocab_size)``; if ``attn_mask`` is not a boolean ``(T, T)`` array
+            or leaves a query no key; if ``kv_transform`` changes a shape.
 
         Examples
         --------
@@ -456,8 +515,17 @@ class DecoderLM:
         """
         if not isinstance(return_attention, (bool, np.bool_)):
             raise TypeError(f"return_attention must be a bool; got {return_attention!r}")
+        if kv_transform is not None and not callable(kv_transform):
+            raise TypeError(f"kv_transform must be callable; got {kv_transform!r:.80}")
         tokens, one_d = self._check_tokens(tokens, "tokens")
-        logits, _, _, weights = self._forward(tokens, keep=False, return_attention=return_attention)
+        mask = self._check_mask(attn_mask, tokens.shape[1])
+        logits, _, _, weights = self._forward(
+            tokens,
+            keep=False,
+            return_attention=return_attention,
+            kv_transform=kv_transform,
+            attn_mask=mask,
+        )
         if one_d:
             logits, weights = logits[0], [w[0] for w in weights]
         return (logits, weights) if return_attention else logits
