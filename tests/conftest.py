@@ -8,6 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# No per-example deadline: speed is measured in the benchmarks, never asserted in a test, and the
+# tests share the machine with a book build (`make test` runs the source-archive build beside them).
+settings.register_profile("sdpa", deadline=None)
+settings.load_profile("sdpa")
 
 # tests/references.py, the independent references, is imported by the tests as `references`.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
