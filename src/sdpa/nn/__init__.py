@@ -6,8 +6,8 @@ piece is a plain function with a partner ``*_backward`` that returns the gradien
 against central finite differences and against ``torch.autograd``.
 
 Functions (``sdpa.nn.functional``)
-    :func:`linear`, :func:`layer_norm`, :func:`rms_norm`, :func:`gelu`, :func:`cross_entropy`
-    and their backward passes; :func:`embedding_backward`.
+    :func:`linear`, :func:`layer_norm`, :func:`rms_norm`, :func:`gelu`, :func:`softcap`,
+    :func:`cross_entropy` and their backward passes; :func:`embedding_backward`.
 Optimiser (``sdpa.nn.optim``)
     :class:`AdamW`, step for step equal to ``torch.optim.AdamW``.
 Model (``sdpa.nn.model``)
@@ -40,13 +40,18 @@ from .functional import (
     linear_backward,
     rms_norm,
     rms_norm_backward,
+    softcap,
+    softcap_backward,
 )
+from .mla import LatentKVCache, MultiHeadLatentAttention
 from .model import DecoderLM
 from .optim import AdamW
 
 __all__ = [
     "AdamW",
     "DecoderLM",
+    "LatentKVCache",
+    "MultiHeadLatentAttention",
     "cross_entropy",
     "cross_entropy_backward",
     "embedding_backward",
@@ -58,4 +63,6 @@ __all__ = [
     "linear_backward",
     "rms_norm",
     "rms_norm_backward",
+    "softcap",
+    "softcap_backward",
 ]

@@ -12,6 +12,12 @@ updates the *residual stream* ``x`` twice,
 The attention goes through :func:`sdpa.scaled_dot_product_attention` and its gradient through
 :func:`sdpa.scaled_dot_product_attention_backward`; decoding uses :class:`sdpa.KVCache`.
 
+Five options, all off by default, add what recent models use to keep attention stable or to
+let a head attend to nothing: QK-norm (``qk_norm``), soft-capped logits and attention scores
+(``logit_softcap``, ``attn_softcap``), a learned sink logit per head (``sink``) and a gate on
+each head's output (``output_gate``). Each is in the forward pass, the exact gradient and the
+cached decoding; without them the model is the plain one, bit for bit.
+
 Shape letters: ``B`` batch, ``T`` sequence length, ``E`` model width (``d_model``), ``Hq`` query
 heads, ``Hkv`` key/value heads, ``Dk`` head width (``E / Hq``), ``Dff`` MLP width (``d_ff``),
 ``V`` vocabulary size.
@@ -19,6 +25,7 @@ heads, ``Hkv`` key/value heads, ``Dk`` head width (``E / Hq``), ``Dff`` MLP widt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from numbers import Real
 
@@ -27,7 +34,7 @@ from numpy.typing import ArrayLike
 
 # The public attention API of sdpa, which this model is built on, from the modules that
 # define it (never from the package face, which imports sdpa.nn).
-from .._checks import check_nonneg_int, check_rng
+from .._checks import check_nonneg_int, check_real, check_rng
 from ..attention import scaled_dot_product_attention
 from ..backward import scaled_dot_product_attention_backward
 from ..kvcache import KVCache
@@ -47,12 +54,18 @@ from .functional import (
     linear_backward,
     rms_norm,
     rms_norm_backward,
+    softcap,
+    softcap_backward,
+    softcapped_attention,
+    softcapped_attention_backward,
 )
 
 __all__ = ["DecoderLM"]
 
 POSITIONALS = ("rope", "sinusoidal", "learned", None)
 NORMS = ("layer", "rms")
+# The keyword options that add to the plain model, all off by default.
+OPTIONS = ("qk_norm", "logit_softcap", "attn_softcap", "sink", "output_gate")
 GELU = "tanh"  # the MLP's activation: GPT-2's tanh form of GELU (fast; see sdpa.nn.gelu)
 # The whole-matrix attention path: a small model's sequences are short, and for them it is
 # several times faster than the tiled path, which "auto" picks from the total number of scores
@@ -67,18 +80,43 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-z))``, without overflow for either sign of ``z``."""
+    e = np.exp(-np.abs(z))  # in (0, 1]
+    return np.where(z >= 0, 1.0, e) / (1.0 + e)
+
+
+def _check_cap(value, name: str) -> float | None:
+    """A soft-cap: None (off) or a positive finite real number, as a float."""
+    if value is None:
+        return None
+    return check_real(
+        value, name, "None or a positive, finite real number", lambda c: math.isfinite(c) and c > 0
+    )
+
+
 @dataclass
 class _BlockCache:
-    """What one block's backward pass needs from its forward pass."""
+    """What one block's backward pass needs from its forward pass (None: not needed)."""
 
     x_in: np.ndarray  # (B, T, E) stream entering the block
     h: np.ndarray  # (B, T, E) normalised input of the attention
-    q: np.ndarray  # (B, Hq, T, Dk) after RoPE
-    k: np.ndarray  # (B, Hkv, T, Dk) after RoPE
-    v: np.ndarray  # (B, Hkv, T, Dk)
-    out: np.ndarray  # (B, Hq, T, Dk) attention output
-    lse: np.ndarray  # (B, Hq, T) its log-sum-exp
-    heads: np.ndarray  # (B, T, Hq * Dk) merged heads
+    q_raw: np.ndarray | None = None  # (B, Hq, T, Dk) queries before QK-norm (qk_norm only)
+    k_raw: np.ndarray | None = None  # (B, Hkv, T, Dk) keys before QK-norm (qk_norm only)
+    q: np.ndarray | None = None  # (B, Hq, T, Dk) after RoPE
+    k: np.ndarray | None = None  # (B, Hkv, T, Dk) after RoPE
+    v: np.ndarray | None = None  # (B, Hkv, T, Dk)
+    out: np.ndarray | None = None  # (B, Hq, T, Dk) attention output
+    lse: np.ndarray | None = None  # (B, Hq, T) its log-sum-exp
+    weights: np.ndarray | None = None  # (B, Hq, T, T) attention weights (attn_softcap only)
+    heads: np.ndarray | None = None  # (B, T, Hq * Dk) merged heads (gated), the input of w_o
+    gate: np.ndarray | None = None  # (B, T, Hq * Dk) the output gate (output_gate only)
     x_mid: np.ndarray | None = None  # (B, T, E) stream after the attention
     h2: np.ndarray | None = None  # (B, T, E) normalised input of the MLP
     u: np.ndarray | None = None  # (B, T, Dff) pre-activation
@@ -118,6 +156,32 @@ class DecoderLM:
         :func:`sdpa.nn.rms_norm` (gain only, ``eps = 1e-6``).
     attention_only : bool, default False
         Leave out the MLPs: each block is only ``x + attention(norm(x))``.
+    qk_norm : bool, default False
+        QK-norm (as OLMo 2, Qwen3 and Gemma 3): RMS-normalise each head's queries and keys
+        over ``Dk`` (:func:`sdpa.nn.rms_norm`, ``eps = 1e-6``), times learned gains
+        ``q_norm.weight`` and ``k_norm.weight`` shared by the heads, before RoPE. A score is
+        then at most ``Dk * max|gain_q| * max|gain_k| / sqrt(Dk)`` whatever the projections.
+    logit_softcap : float, optional
+        Soft-cap the final logits: ``cap * tanh(logits / cap)`` (:func:`sdpa.nn.softcap`; as
+        Gemma 2 at 30 and nanochat at 15), so that every logit lies in ``(-cap, cap)``. A
+        positive finite number; default None, no cap.
+    attn_softcap : float, optional
+        Soft-cap every attention score after the ``1 / sqrt(Dk)`` scale and before the
+        causal mask: ``z = cap * tanh(z / cap)`` (Gemma 2, at 50). The attention is then
+        computed explicitly, the whole ``(T, T)`` matrix at once, with a hand-derived
+        backward pass (:func:`sdpa.scaled_dot_product_attention` has no cap). A positive
+        finite number; default None, no cap.
+    sink : bool, default False
+        A learned attention sink per query head (as gpt-oss): one logit ``blocks.i.attn.sink``
+        per head, initialised to 0, joins each softmax's denominator as a column with no
+        value (``sinks=`` of :func:`sdpa.scaled_dot_product_attention`), so that a head can
+        attend to nothing; its weights then sum to less than one. The sink logit is not
+        soft-capped.
+    output_gate : bool, default False
+        Gated attention (Qiu et al. 2025, as Qwen3-Next): multiply each head's output
+        elementwise by ``sigmoid(h W_g)`` before ``w_o``, where ``h`` is the block's normed
+        input and ``W_g`` the parameter ``blocks.i.attn.w_g``. A head can then turn its
+        output down without parking its attention on some token.
     dtype : {np.float64, np.float32}, default np.float64
         The dtype of the parameters and of every computation.
     rng : numpy.random.Generator
@@ -134,16 +198,24 @@ class DecoderLM:
         ``Dk = d_model // n_heads``.
     positional, norm, attention_only, dtype
         The other choices, as given.
+    qk_norm : bool
+        As given (the options default off, and a model without them is the plain one).
+    logit_softcap, attn_softcap : float or None
+        As given.
+    sink, output_gate : bool
+        As given.
 
     Raises
     ------
     TypeError
-        If a size is not an integer, ``attention_only`` is not a bool, or ``rng`` is not a
+        If a size is not an integer, ``attention_only``, ``qk_norm``, ``sink`` or
+        ``output_gate`` is not a bool, a soft-cap is not a real number, or ``rng`` is not a
         ``numpy.random.Generator``.
     ValueError
         If a size is not positive, ``n_heads`` does not divide ``d_model``, ``n_kv_heads``
-        does not divide ``n_heads``, the head width is odd with RoPE, or ``positional``,
-        ``norm`` or ``dtype`` is not one of the choices.
+        does not divide ``n_heads``, the head width is odd with RoPE, ``positional``,
+        ``norm`` or ``dtype`` is not one of the choices, or a soft-cap is not positive and
+        finite.
 
     Notes
     -----
@@ -161,6 +233,13 @@ class DecoderLM:
     ``blocks.i.attn.w_k``, ``w_v``      ``(E, Hkv Dk)``           keys and values
     ``blocks.i.attn.w_o``               ``(Hq Dk, E)``            heads to the stream; head ``h``
                                                                   in rows ``h Dk : (h+1) Dk``
+    ``blocks.i.attn.q_norm.weight``     ``(Dk,)``                 ``qk_norm`` only: the gain of
+                                                                  every head's query norm
+    ``blocks.i.attn.k_norm.weight``     ``(Dk,)``                 the same for the keys
+    ``blocks.i.attn.sink``              ``(Hq,)``                 ``sink`` only: each head's sink
+                                                                  logit, zero at first
+    ``blocks.i.attn.w_g``               ``(E, Hq Dk)``            ``output_gate`` only: the gate
+                                                                  ``sigmoid(h W_g)`` of the heads
     ``blocks.i.mlp_norm.weight/bias``   ``(E,)``                  norm before the MLP
     ``blocks.i.mlp.w_in``, ``b_in``     ``(E, Dff)``, ``(Dff,)``  ``u = h W_in + b_in``
     ``blocks.i.mlp.w_out``, ``b_out``   ``(Dff, E)``, ``(E,)``    ``gelu(u) W_out + b_out``
@@ -174,12 +253,28 @@ class DecoderLM:
     **Initialisation.** Embeddings are standard normal; every other matrix is normal with
     variance ``1 / fan_in``, and the two matrices that write into the stream (``w_o``,
     ``w_out``) are further divided by ``sqrt(2 n_layers)`` so that the stream's variance
-    does not grow with depth (GPT-2's rule); norm gains are one and biases zero.
+    does not grow with depth (GPT-2's rule); norm gains are one and biases zero. The
+    options' parameters: QK-norm gains one, sink logits zero, and ``w_g`` normal with variance
+    ``1 / E``, drawn after every other parameter, so that a model with options starts from
+    the same values of the shared parameters as the plain model of the same ``rng`` seed.
 
     **Attention** is causal multi-head attention without biases, scaled by ``1 / sqrt(Dk)``,
     on the whole-matrix path of :func:`sdpa.scaled_dot_product_attention`
-    (``implementation="reference"``), the fastest for the short sequences of a small model.
-    The MLP's activation is the ``tanh`` form of GELU, as in GPT-2.
+    (``implementation="reference"``), the fastest for the short sequences of a small model;
+    with ``attn_softcap``, the same whole-matrix computation written out in NumPy, with the
+    cap between the scores and the softmax. In one block, with every option on:
+
+    .. code-block:: text
+
+        q, k, v = h W_q, h W_k, h W_v                    # split into heads
+        q, k = rms_norm(q) * g_q, rms_norm(k) * g_k      # qk_norm, over Dk
+        q, k = rope(q), rope(k)
+        z = cap * tanh(q k^T / sqrt(Dk) / cap)           # attn_softcap
+        a = exp(z) / (sum exp(z) + exp(sink))            # causal; sink: not normalised to 1
+        x = x + (merge_heads(a v) * sigmoid(h W_g)) W_o  # output_gate
+
+    and at the end ``logits = cap * tanh(logits / cap)`` (``logit_softcap``). The MLP's
+    activation is the ``tanh`` form of GELU, as in GPT-2.
 
     Examples
     --------
@@ -197,6 +292,23 @@ class DecoderLM:
     >>> # final norm 2E; unembedding E V, with V = 11, E = 16, Dff = 64:
     >>> sum(p.size for p in model.params.values())
     6816
+
+    The options add parameters to each block's attention (QK-norm gains of size ``Dk``, a
+    sink per head, the gate's matrix) and leave the others as they were:
+
+    >>> steady = DecoderLM(vocab_size=11, d_model=16, n_layers=2, n_heads=4, max_len=8,
+    ...                    qk_norm=True, logit_softcap=15.0, attn_softcap=50.0, sink=True,
+    ...                    output_gate=True, rng=np.random.default_rng(0))
+    >>> {name: p.shape for name, p in steady.params.items() if name not in model.params}
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'blocks.0.attn.q_norm.weight': (4,), 'blocks.0.attn.k_norm.weight': (4,),
+     'blocks.0.attn.sink': (4,), 'blocks.0.attn.w_g': (16, 16),
+     'blocks.1.attn.q_norm.weight': (4,), 'blocks.1.attn.k_norm.weight': (4,),
+     'blocks.1.attn.sink': (4,), 'blocks.1.attn.w_g': (16, 16)}
+    >>> all(np.array_equal(steady.params[name], p) for name, p in model.params.items())
+    True
+    >>> float(np.abs(steady.forward(tokens)).max()) < 15.0  # the capped logits
+    True
     """
 
     def __init__(
@@ -212,6 +324,11 @@ class DecoderLM:
         positional: str | None = "rope",
         norm: str = "layer",
         attention_only: bool = False,
+        qk_norm: bool = False,
+        logit_softcap: float | None = None,
+        attn_softcap: float | None = None,
+        sink: bool = False,
+        output_gate: bool = False,
         dtype=np.float64,
         rng: np.random.Generator,
     ):
@@ -246,9 +363,12 @@ class DecoderLM:
         if norm not in NORMS:
             raise ValueError(f"norm must be 'layer' or 'rms'; got {norm!r}")
         self.norm = norm
-        if not isinstance(attention_only, (bool, np.bool_)):
-            raise TypeError(f"attention_only must be a bool; got {attention_only!r}")
-        self.attention_only = bool(attention_only)
+        self.attention_only = _check_bool(attention_only, "attention_only")
+        self.qk_norm = _check_bool(qk_norm, "qk_norm")
+        self.logit_softcap = _check_cap(logit_softcap, "logit_softcap")
+        self.attn_softcap = _check_cap(attn_softcap, "attn_softcap")
+        self.sink = _check_bool(sink, "sink")
+        self.output_gate = _check_bool(output_gate, "output_gate")
         if self.attention_only:
             self.d_ff = None
         else:
@@ -262,13 +382,18 @@ class DecoderLM:
         self.params = self._init_params(check_rng(rng))
 
     def __repr__(self) -> str:
+        options = "".join(f", {name}={value!r}" for name, value in self._options().items())
         return (
             f"DecoderLM(vocab_size={self.vocab_size}, d_model={self.d_model}, "
             f"n_layers={self.n_layers}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"d_ff={self.d_ff}, max_len={self.max_len}, positional={self.positional!r}, "
             f"norm={self.norm!r}, attention_only={self.attention_only}, "
-            f"dtype={self.dtype.name})"
+            f"dtype={self.dtype.name}{options})"
         )
+
+    def _options(self) -> dict:
+        """The stability and sink options that are on (a model without them is the plain one)."""
+        return {name: getattr(self, name) for name in OPTIONS if getattr(self, name)}
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -292,6 +417,13 @@ class DecoderLM:
             params[p + "attn.w_k"] = matrix(E, self.n_kv_heads * Dk)
             params[p + "attn.w_v"] = matrix(E, self.n_kv_heads * Dk)
             params[p + "attn.w_o"] = matrix(self.n_heads * Dk, E, residual)
+            if self.qk_norm:  # gains over Dk, shared by the heads
+                params[p + "attn.q_norm.weight"] = np.ones(Dk, self.dtype)
+                params[p + "attn.k_norm.weight"] = np.ones(Dk, self.dtype)
+            if self.sink:  # one logit per query head; exp(0) = 1 is "softmax plus one"
+                params[p + "attn.sink"] = np.zeros(self.n_heads, self.dtype)
+            if self.output_gate:
+                params[p + "attn.w_g"] = None  # its place in the order; drawn below
             if not self.attention_only:
                 params.update(self._norm_params(p + "mlp_norm"))
                 params[p + "mlp.w_in"] = matrix(E, self.d_ff)
@@ -300,6 +432,10 @@ class DecoderLM:
                 params[p + "mlp.b_out"] = np.zeros(E, self.dtype)
         params.update(self._norm_params("final_norm"))
         params["unembedding"] = matrix(E, V)
+        # The options' random parameters are drawn last, so that a model with options starts
+        # from the same values of the shared parameters as the plain model of the same seed.
+        for i in range(L if self.output_gate else 0):
+            params[f"blocks.{i}.attn.w_g"] = matrix(E, self.n_heads * Dk)
         return params
 
     def _norm_params(self, prefix: str) -> dict[str, np.ndarray]:
@@ -357,13 +493,19 @@ class DecoderLM:
             x = x + table.astype(self.dtype)
         return x
 
-    def _qkv(self, i: int, h: np.ndarray, start: int):
-        """Queries ``(B, Hq, T, Dk)``, keys and values ``(B, Hkv, T, Dk)`` of block ``i``."""
+    def _qkv(self, i: int, h: np.ndarray, start: int, cache: _BlockCache | None = None):
+        """Queries ``(B, Hq, T, Dk)``, keys and values ``(B, Hkv, T, Dk)`` of block ``i``;
+        fills ``cache`` when given."""
         p = f"blocks.{i}.attn."
         # (B, T, E) @ (E, Hq Dk) -> (B, T, Hq Dk) -> (B, Hq, T, Dk); keys and values with Hkv
         q = split_heads(h @ self.params[p + "w_q"], self.n_heads)
         k = split_heads(h @ self.params[p + "w_k"], self.n_kv_heads)
         v = split_heads(h @ self.params[p + "w_v"], self.n_kv_heads)
+        if self.qk_norm:  # every query and key to RMS one over Dk, times a learned gain
+            if cache is not None:
+                cache.q_raw, cache.k_raw = q, k
+            q = rms_norm(q, self.params[p + "q_norm.weight"])
+            k = rms_norm(k, self.params[p + "k_norm.weight"])
         if self.positional == "rope":
             positions = np.arange(start, start + h.shape[1])
             q = apply_rotary_embedding(q, positions)
@@ -397,36 +539,70 @@ class DecoderLM:
             T = tokens.shape[1]
             attn_mask = attn_mask & np.tril(np.ones((T, T), dtype=bool))
         caches, weights = [], []
-        gqa = self.n_kv_heads != self.n_heads
         for i in range(self.n_layers):
             p = f"blocks.{i}."
             h = self._norm(x, p + "attn_norm")
-            q, k, v = self._qkv(i, h, 0)
+            cache = _BlockCache(x, h) if keep else None
+            q, k, v = self._qkv(i, h, 0, cache)
             if kv_transform is not None:
                 k, v = self._transformed(kv_transform, i, k, v)
-            result = scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                is_causal=attn_mask is None,
-                enable_gqa=gqa,
-                implementation=ATTENTION,
-                return_weights=return_attention,
-                return_lse=keep,
-            )  # (B, Hq, T, Dk), then the weights (B, Hq, T, T) and lse (B, Hq, T) if asked
-            out = result[0] if isinstance(result, tuple) else result
+            # (B, Hq, T, Dk); the weights (B, Hq, T, T) and the lse (B, Hq, T), or None
+            out, a, lse = self._attention(i, q, k, v, attn_mask, return_attention, keep)
             if return_attention:
-                weights.append(result[1])
+                weights.append(a)
             heads = merge_heads(out)  # (B, Hq, T, Dk) -> (B, T, Hq Dk)
-            cache = _BlockCache(x, h, q, k, v, out, result[-1], heads) if keep else None
+            gate = self._gate(i, h) if self.output_gate else None
+            if gate is not None:
+                heads = heads * gate  # (B, T, Hq Dk), elementwise
+            if keep:
+                cache.q, cache.k, cache.v, cache.out, cache.lse = q, k, v, out, lse
+                cache.weights, cache.heads, cache.gate = a, heads, gate
             x = x + heads @ self.params[p + "attn.w_o"]  # (B, T, Hq Dk) @ (Hq Dk, E)
             if not self.attention_only:
                 x = self._mlp(i, x, cache)
             caches.append(cache)
+        return self._logits(x), x, caches, weights
+
+    def _attention(self, i: int, q, k, v, attn_mask, return_weights: bool, return_lse: bool):
+        """Block ``i``'s causal attention, restricted further by ``attn_mask`` (a bool ``(T, T)``
+        that includes the causal mask) when given: ``(out, weights, lse)``, the last two None
+        unless asked for (the soft-capped path always returns them)."""
+        sinks = self._sinks(i)
+        if self.attn_softcap is not None:
+            T = q.shape[2]
+            allowed = np.tril(np.ones((T, T), dtype=bool)) if attn_mask is None else attn_mask
+            return softcapped_attention(q, k, v, self.attn_softcap, allowed, sinks)
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+            implementation=ATTENTION,
+            return_weights=return_weights,
+            return_lse=return_lse,
+            sinks=sinks,
+        )  # (B, Hq, T, Dk), then the weights (B, Hq, T, T) and lse (B, Hq, T) if asked
+        if not isinstance(result, tuple):
+            return result, None, None
+        return result[0], result[1] if return_weights else None, result[-1] if return_lse else None
+
+    def _gate(self, i: int, h: np.ndarray) -> np.ndarray:
+        """Block ``i``'s output gate ``sigmoid(h W_g)``, ``(B, T, Hq Dk)``."""
+        return _sigmoid(h @ self.params[f"blocks.{i}.attn.w_g"])  # (B, T, E) @ (E, Hq Dk)
+
+    def _sinks(self, i: int) -> np.ndarray | None:
+        """Block ``i``'s sink logits as ``sinks=`` takes them, ``(Hq, 1)``; None without."""
+        return self.params[f"blocks.{i}.attn.sink"][:, None] if self.sink else None
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        """The final norm, the unembedding and the logits' soft-cap: ``(B, T, E) -> (B, T, V)``."""
         h_final = self._norm(x, "final_norm")
         logits = h_final @ self.params["unembedding"]  # (B, T, E) @ (E, V) -> (B, T, V)
-        return logits, x, caches, weights
+        if self.logit_softcap is not None:
+            logits = softcap(logits, self.logit_softcap)
+        return logits
 
     def _transformed(self, kv_transform, i: int, k: np.ndarray, v: np.ndarray):
         """``kv_transform(i, k, v)``, checked: new arrays of the same shapes."""
@@ -474,7 +650,7 @@ class DecoderLM:
             Also return the attention weights of every block.
         kv_transform : callable, optional
             ``kv_transform(layer, k, v) -> (k, v)``, applied to every block's keys and values
-            ``(B, Hkv, T, Dk)`` (after RoPE) before its attention: to measure what changing the
+            ``(B, Hkv, T, Dk)`` (after QK-norm and RoPE) before its attention: to measure what changing the
             cache (quantising it, perturbing it) does to the model. It gets copies, and must
             return arrays of the same shapes.
         attn_mask : (T, T) array_like of bool, optional
@@ -488,7 +664,8 @@ class DecoderLM:
             (``(T, V)`` for 1-D tokens).
         attention : list of (B, Hq, T, T) np.ndarray
             Only with ``return_attention``: one array per block, each row a causal
-            distribution over the keys (``(Hq, T, T)`` for 1-D tokens).
+            distribution over the keys (``(Hq, T, T)`` for 1-D tokens); with ``sink``, each
+            row sums to one minus the sink's weight.
 
         Raises
         ------
@@ -564,7 +741,11 @@ class DecoderLM:
         The backward pass runs the forward pass in reverse, one hand-derived rule per step
         (``sdpa.nn.functional``), and the attention through
         :func:`sdpa.scaled_dot_product_attention_backward`, which reuses the forward output
-        and log-sum-exp instead of recomputing them. RoPE is a rotation, so its backward is
+        and log-sum-exp instead of recomputing them (with ``attn_softcap``, through the
+        written-out attention's own backward, which adds the cap's slope
+        ``1 - tanh^2(z / cap)`` between the softmax and the scores). The sink's gradient is
+        ``-sum over rows of a_sink * delta``, with ``a_sink`` the sink's weight and
+        ``delta_i = do_i . o_i``; the gate's, through ``sigmoid' = gate (1 - gate)``. RoPE is a rotation, so its backward is
         the rotation by the opposite angle. Parameters shared by all positions (every one)
         receive the sum of the gradients of all their uses.
 
@@ -601,9 +782,12 @@ class DecoderLM:
         loss = cross_entropy(logits, targets)  # checks the range of the targets
         grads: dict[str, np.ndarray] = {}
 
-        # unembedding and final norm
+        # soft-cap, unembedding and final norm
         d_logits = cross_entropy_backward(logits, targets)  # (B, T, V)
         h_final = self._norm(x, "final_norm")
+        if self.logit_softcap is not None:  # back through the cap, at the logits before it
+            raw = h_final @ self.params["unembedding"]
+            d_logits = softcap_backward(d_logits, raw, self.logit_softcap)
         d_h, grads["unembedding"], _ = linear_backward(
             d_logits, h_final, self.params["unembedding"]
         )
@@ -632,27 +816,49 @@ class DecoderLM:
                 d_u, c.h2, self.params[p + "mlp.w_in"], self.params[p + "mlp.b_in"]
             )
             d_x = d_x + self._norm_backward(d_h2, c.x_mid, p + "mlp_norm", grads)
-        # x_mid = x_in + heads W_o
+        # x_mid = x_in + heads W_o, heads = merge_heads(out) * gate with the output gate
         d_heads, grads[p + "attn.w_o"], _ = linear_backward(
             d_x, c.heads, self.params[p + "attn.w_o"]
         )
+        d_h = np.zeros_like(c.h)
+        if self.output_gate:  # gate = sigmoid(h W_g), whose slope is gate (1 - gate)
+            d_z = d_heads * merge_heads(c.out) * c.gate * (1.0 - c.gate)  # (B, T, Hq Dk)
+            d_h, grads[p + "attn.w_g"], _ = linear_backward(d_z, c.h, self.params[p + "attn.w_g"])
+            d_heads = d_heads * c.gate
         d_out = split_heads(d_heads, self.n_heads)  # (B, T, Hq Dk) -> (B, Hq, T, Dk)
-        d_q, d_k, d_v = scaled_dot_product_attention_backward(
-            d_out,
-            c.q,
-            c.k,
-            c.v,
-            is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-            out=c.out,
-            lse=c.lse,
-            implementation=ATTENTION,
-        )
+        sinks = self._sinks(i)
+        if self.attn_softcap is not None:  # the written-out attention's own backward
+            d_q, d_k, d_v, d_sinks = softcapped_attention_backward(
+                d_out, c.q, c.k, c.v, self.attn_softcap, c.weights, c.lse, sinks
+            )  # d_sinks: (B, Hq, T), one per row, or None
+            d_sinks = None if d_sinks is None else d_sinks.sum(axis=(0, 2))  # -> (Hq,)
+        else:
+            d_q, d_k, d_v, *d_sinks = scaled_dot_product_attention_backward(
+                d_out,
+                c.q,
+                c.k,
+                c.v,
+                is_causal=True,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+                out=c.out,
+                lse=c.lse,
+                implementation=ATTENTION,
+                sinks=sinks,
+            )  # with sinks, d_sinks = [(Hq, 1)], summed over the rows that share a logit
+            d_sinks = d_sinks[0][:, 0] if d_sinks else None  # -> (Hq,)
+        if self.sink:
+            grads[p + "attn.sink"] = d_sinks
         if self.positional == "rope":  # the transpose of a rotation is the opposite rotation
             back = -np.arange(c.q.shape[2])
             d_q = apply_rotary_embedding(d_q, back)
             d_k = apply_rotary_embedding(d_k, back)
-        d_h = np.zeros_like(c.h)
+        if self.qk_norm:  # back through the norms to the raw projections; the gains' grads
+            d_q, grads[p + "attn.q_norm.weight"] = rms_norm_backward(
+                d_q, c.q_raw, self.params[p + "attn.q_norm.weight"]
+            )
+            d_k, grads[p + "attn.k_norm.weight"] = rms_norm_backward(
+                d_k, c.k_raw, self.params[p + "attn.k_norm.weight"]
+            )
         for name, d in (("w_q", d_q), ("w_k", d_k), ("w_v", d_v)):
             d_in, grads[p + "attn." + name], _ = linear_backward(
                 merge_heads(d), c.h, self.params[p + "attn." + name]
@@ -662,18 +868,40 @@ class DecoderLM:
 
     # -- generation ----------------------------------------------------------------------------
 
+    def _new_cache(self, B: int, capacity: int) -> KVCache:
+        """An empty KV cache for ``B`` sequences of up to ``capacity`` tokens."""
+        return KVCache(
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            batch_size=B,
+            dtype=self.dtype,
+            capacity=capacity,
+        )
+
     def _forward_cached(self, tokens: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         """Logits of the new ``tokens`` ``(B, T)`` at positions ``start, ...``; fills ``cache``."""
         x = self._embed(tokens, start)
         for i in range(self.n_layers):
             p = f"blocks.{i}."
-            q, k, v = self._qkv(i, self._norm(x, p + "attn_norm"), start)
+            h = self._norm(x, p + "attn_norm")
+            q, k, v = self._qkv(i, h, start)
             cache.append(i, k, v)  # the cache now holds S = start + T keys
-            out = cache.attend(i, q)  # (B, Hq, T, Dk): causal, aligned bottom right
-            x = x + merge_heads(out) @ self.params[p + "attn.w_o"]
+            sinks = self._sinks(i)
+            if self.attn_softcap is None:  # (B, Hq, T, Dk): causal, aligned bottom right
+                out = cache.attend(i, q, sinks=sinks)
+            else:  # written out: new query t, at position start + t, sees keys s <= start + t
+                T, S = q.shape[2], start + q.shape[2]
+                allowed = np.arange(S) <= start + np.arange(T)[:, None]  # (T, S)
+                keys, values = cache.keys(i), cache.values(i)  # (B, Hkv, S, Dk)
+                out = softcapped_attention(q, keys, values, self.attn_softcap, allowed, sinks)[0]
+            heads = merge_heads(out)  # (B, Hq, T, Dk) -> (B, T, Hq Dk)
+            if self.output_gate:
+                heads = heads * self._gate(i, h)
+            x = x + heads @ self.params[p + "attn.w_o"]
             if not self.attention_only:
                 x = self._mlp(i, x, None)
-        return self._norm(x, "final_norm") @ self.params["unembedding"]
+        return self._logits(x)
 
     def generate(
         self,
@@ -704,7 +932,9 @@ class DecoderLM:
         use_cache : bool, default True
             Keep every layer's keys and values in a :class:`sdpa.KVCache` and run the model
             on the new token only (the prompt at once, first). Without it, every step runs the
-            model on the whole sequence so far. Both give the same tokens.
+            model on the whole sequence so far. Both give the same tokens, with every option
+            (the cache holds the keys after QK-norm and RoPE; the soft-capped attention reads
+            them back from it).
 
         Returns
         -------
@@ -779,14 +1009,7 @@ class DecoderLM:
         if n_new == 0:
             return out[0] if one_d else out
         if use_cache:
-            cache = KVCache(
-                self.n_layers,
-                self.n_kv_heads,
-                self.head_dim,
-                batch_size=B,
-                dtype=self.dtype,
-                capacity=T0 + n_new,
-            )
+            cache = self._new_cache(B, T0 + n_new)
             logits = self._forward_cached(tokens, cache, 0)[:, -1]  # prefill: the whole prompt
         else:
             logits = self._forward(tokens, keep=False, return_attention=False)[0][:, -1]
