@@ -594,3 +594,46 @@ def test_attn_mask_is_checked():
     upper = np.triu(np.ones((3, 3), dtype=bool), k=1)  # only future keys: none left
     with pytest.raises(ValueError, match="leaves a query no key"):
         model.forward(tokens, attn_mask=upper)
+
+
+@pytest.mark.parametrize("options", [{}, {"qk_norm": True, "n_kv_heads": 1}], ids=["plain", "qk"])
+def test_return_scores_are_what_the_softmax_sees(options):
+    model, tokens = _small_model(**options), np.array([[1, 4, 2, 7, 0]])
+    logits, weights, scores = model.forward(tokens, return_attention=True, return_scores=True)
+    assert np.array_equal(logits, model.forward(tokens))
+    for w, z in zip(weights, scores):
+        assert z.shape == (1, 2, 5, 5) and np.all(
+            np.isneginf(z[..., np.triu_indices(5, 1)[0], np.triu_indices(5, 1)[1]])
+        )
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        np.testing.assert_allclose(e / e.sum(axis=-1, keepdims=True), w, rtol=1e-12, atol=1e-15)
+    one_d = model.forward(tokens[0], return_scores=True)[1]
+    assert np.array_equal(one_d[0], scores[0][0])
+
+
+def test_return_scores_by_hand_and_checked():
+    # One block, one head of width 2, no positions: the score is q . k / sqrt(2).
+    model = nn.DecoderLM(
+        vocab_size=3,
+        d_model=2,
+        n_layers=1,
+        n_heads=1,
+        max_len=2,
+        positional=None,
+        rng=np.random.default_rng(0),
+    )
+    tokens = np.array([0, 2])
+    _, (z,) = model.forward(tokens, return_scores=True)
+    h = nn.layer_norm(
+        model.params["token_embedding"][tokens],
+        model.params["blocks.0.attn_norm.weight"],
+        model.params["blocks.0.attn_norm.bias"],
+        eps=1e-5,
+    )
+    q, k = h @ model.params["blocks.0.attn.w_q"], h @ model.params["blocks.0.attn.w_k"]
+    assert z.shape == (1, 2, 2)  # (Hq, T, T) for 1-D tokens
+    assert z[0, 1, 0] == pytest.approx(q[1] @ k[0] / np.sqrt(2), rel=1e-12)
+    assert z[0, 1, 1] == pytest.approx(q[1] @ k[1] / np.sqrt(2), rel=1e-12)
+    assert np.isneginf(z[0, 0, 1])  # the future
+    with pytest.raises(TypeError, match="return_scores must be a bool"):
+        model.forward(tokens, return_scores=1)

@@ -532,8 +532,10 @@ class DecoderLM:
         return_attention: bool,
         kv_transform=None,
         attn_mask: np.ndarray | None = None,
+        scores: list | None = None,
     ):
-        """Logits ``(B, T, V)``, the final stream and per-block caches / attention weights."""
+        """Logits ``(B, T, V)``, the final stream and per-block caches / attention weights;
+        each block's scores appended to ``scores`` when given."""
         x = self._embed(tokens, 0)
         if attn_mask is not None:  # the causal mask and the caller's, combined
             T = tokens.shape[1]
@@ -546,6 +548,8 @@ class DecoderLM:
             q, k, v = self._qkv(i, h, 0, cache)
             if kv_transform is not None:
                 k, v = self._transformed(kv_transform, i, k, v)
+            if scores is not None:
+                scores.append(self._scores(q, k, attn_mask))
             # (B, Hq, T, Dk); the weights (B, Hq, T, T) and the lse (B, Hq, T), or None
             out, a, lse = self._attention(i, q, k, v, attn_mask, return_attention, keep)
             if return_attention:
@@ -562,6 +566,15 @@ class DecoderLM:
                 x = self._mlp(i, x, cache)
             caches.append(cache)
         return self._logits(x), x, caches, weights
+
+    @staticmethod
+    def _scores(q: np.ndarray, k: np.ndarray, attn_mask: np.ndarray | None) -> np.ndarray:
+        """The scaled scores ``q k^T / sqrt(Dk)`` ``(B, Hq, T, T)``, -inf where masked."""
+        T = q.shape[2]
+        k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)  # (B, Hkv, T, Dk) -> (B, Hq, T, Dk)
+        z = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1]).astype(q.dtype)  # (B, Hq, T, T)
+        allowed = np.tril(np.ones((T, T), dtype=bool)) if attn_mask is None else attn_mask
+        return np.where(allowed, z, q.dtype.type(-np.inf))
 
     def _attention(self, i: int, q, k, v, attn_mask, return_weights: bool, return_lse: bool):
         """Block ``i``'s causal attention, restricted further by ``attn_mask`` (a bool ``(T, T)``
@@ -637,6 +650,7 @@ class DecoderLM:
         tokens: ArrayLike,
         *,
         return_attention: bool = False,
+        return_scores: bool = False,
         kv_transform=None,
         attn_mask: ArrayLike | None = None,
     ):
@@ -648,6 +662,10 @@ class DecoderLM:
             Token ids in ``[0, vocab_size)``, with ``1 <= T <= max_len``.
         return_attention : bool, default False
             Also return the attention weights of every block.
+        return_scores : bool, default False
+            Also return the scores that enter every block's softmax,
+            ``q k^T / sqrt(Dk)`` (after QK-norm and RoPE, before ``attn_softcap``), ``-inf``
+            where masked: to watch the logits grow in training.
         kv_transform : callable, optional
             ``kv_transform(layer, k, v) -> (k, v)``, applied to every block's keys and values
             ``(B, Hkv, T, Dk)`` (after QK-norm and RoPE) before its attention: to measure what changing the
@@ -666,11 +684,15 @@ class DecoderLM:
             Only with ``return_attention``: one array per block, each row a causal
             distribution over the keys (``(Hq, T, T)`` for 1-D tokens); with ``sink``, each
             row sums to one minus the sink's weight.
+        scores : list of (B, Hq, T, T) np.ndarray
+            Only with ``return_scores``: one array per block, after ``attention`` when both
+            are asked for.
 
         Raises
         ------
         TypeError
-            If ``tokens`` is not an integer array, ``return_attention`` not a bool,
+            If ``tokens`` is not an integer array, ``return_attention`` or ``return_scores``
+            not a bool,
             ``kv_transform`` not callable or it does not return a pair.
         ValueError
             If ``tokens`` is not 1-D or 2-D, is empty, longer than ``max_len``, or holds an
@@ -690,22 +712,34 @@ class DecoderLM:
         >>> bool(np.allclose(model.forward(np.array([3, 5, 6]))[0], logits[0]))
         True
         """
-        if not isinstance(return_attention, (bool, np.bool_)):
-            raise TypeError(f"return_attention must be a bool; got {return_attention!r}")
+        for name, flag in (
+            ("return_attention", return_attention),
+            ("return_scores", return_scores),
+        ):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool; got {flag!r}")
         if kv_transform is not None and not callable(kv_transform):
             raise TypeError(f"kv_transform must be callable; got {kv_transform!r:.80}")
         tokens, one_d = self._check_tokens(tokens, "tokens")
         mask = self._check_mask(attn_mask, tokens.shape[1])
+        scores = [] if return_scores else None
         logits, _, _, weights = self._forward(
             tokens,
             keep=False,
             return_attention=return_attention,
             kv_transform=kv_transform,
             attn_mask=mask,
+            scores=scores,
         )
         if one_d:
             logits, weights = logits[0], [w[0] for w in weights]
-        return (logits, weights) if return_attention else logits
+            scores = None if scores is None else [z[0] for z in scores]
+        result = (
+            (logits,)
+            + ((weights,) if return_attention else ())
+            + ((scores,) if return_scores else ())
+        )
+        return result if len(result) > 1 else logits
 
     # -- training ------------------------------------------------------------------------------
 
