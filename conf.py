@@ -14,6 +14,8 @@ What goes beyond a stock configuration is done by the book's own extensions, in 
   Jupyter, beside its MyST source in ``_sources/``.
 * ``sdpa_downloads``: the ``sdpa`` wheel and source archive that ``make html`` builds, a pinned
   ``requirements.txt`` and one archive of every notebook, in ``downloads/``.
+* ``sdpa_widgets``: BokehJS, copied from the installed ``bokeh`` into the site, and the script
+  that runs the interactive figures of ``sdpa_book.widgets``, on the pages that have one.
 """
 
 import os
@@ -47,6 +49,7 @@ extensions = [
     "sdpa_citations",
     "sdpa_notebooks",
     "sdpa_downloads",
+    "sdpa_widgets",
 ]
 
 # One .bib file per topic so that chapters can add references independently.
@@ -74,7 +77,7 @@ os.environ["SDPA_BOOK_BUILD"] = "1"
 # The execution cache (sdpa_cache): what the pages' outputs depend on besides their own code.
 # Relative to this folder; Inside the fast path renders the committed benchmark results.
 sdpa_cache_packages = ["src/sdpa", "src/sdpa_book", "benchmarks/results/latest.json"]
-sdpa_cache_distributions = ["numpy", "matplotlib"]  # and the Python version
+sdpa_cache_distributions = ["numpy", "matplotlib", "bokeh"]  # and the Python version
 
 # API reference (sdpa_api: sdpa.__all__ is documented in full; other modules skip its names)
 sdpa_api_package = "sdpa"

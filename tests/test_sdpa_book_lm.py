@@ -36,11 +36,11 @@ def test_best_loss_is_the_mean_negative_log_probability_of_the_targets():
 
 def test_trained_lm_reuses_the_saved_model_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setenv("SDPA_MODEL_CACHE", str(tmp_path))
-    lm._trained_in_memory.cache_clear()
+    lm._IN_MEMORY.clear()
     first = lm.trained_lm(steps=3, T=8)
     saved = list(tmp_path.glob("lm-*.npz"))
     assert len(saved) == 1
-    lm._trained_in_memory.cache_clear()
+    lm._IN_MEMORY.clear()
     again = lm.trained_lm(steps=3, T=8)  # now read from the file
     assert again is not first
     for name, value in first.model.params.items():
@@ -50,7 +50,7 @@ def test_trained_lm_reuses_the_saved_model_bit_for_bit(tmp_path, monkeypatch):
     assert np.array_equal(fresh.model.params["unembedding"], again.model.params["unembedding"])
     lm.trained_lm(steps=4, T=8)  # other arguments, another file
     assert len(list(tmp_path.glob("lm-*.npz"))) == 2
-    lm._trained_in_memory.cache_clear()
+    lm._IN_MEMORY.clear()
 
 
 def test_training_lowers_the_loss():
@@ -62,3 +62,16 @@ def test_training_lowers_the_loss():
 def test_trained_lm_refuses_a_callback():
     with pytest.raises(TypeError, match="on_step"):
         lm.trained_lm(on_step=print)
+
+
+def test_remember_hands_a_model_to_trained_lm(tmp_path, monkeypatch):
+    monkeypatch.setenv("SDPA_MODEL_CACHE", str(tmp_path))
+    lm._IN_MEMORY.clear()
+    mine = lm.train_lm(steps=2)
+    data = lm.corpus_data()
+    lm.remember(lm.Trained(mine.model, data, mine.train_loss, mine.val_loss))
+    assert lm.trained_lm() is not None and lm.trained_lm().model is mine.model
+    lm._IN_MEMORY.clear()  # a later session reads the file
+    again = lm.trained_lm()
+    assert np.array_equal(again.model.params["unembedding"], mine.model.params["unembedding"])
+    lm._IN_MEMORY.clear()

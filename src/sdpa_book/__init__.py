@@ -30,6 +30,16 @@ paged_diagram
 sparse
     :func:`~sdpa_book.sparse.topic_sequence` (queries and keys with a known structure) and
     :func:`~sdpa_book.sparse.sparse_entries` (the entries block-sparse attention computes).
+lm
+    :func:`~sdpa_book.lm.trained_lm`: the language model of *Training a language model*,
+    trained once per build and shared by the pages that study it (and variants of it).
+kv_quant
+    :func:`~sdpa_book.kv_quant.quantise` and :func:`~sdpa_book.kv_quant.dequantise`: integer
+    keys and values with per-channel or per-token scales.
+stability
+    What a page records while a model trains: attention logits and entropies.
+widgets
+    Interactive figures: every state computed by ``sdpa`` at build time, BokehJS in the page.
 """
 
 from __future__ import annotations

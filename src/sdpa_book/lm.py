@@ -12,8 +12,8 @@ and keeps the result on disk, keyed by everything that could change it:
   it (a reader's notebook) the model is trained in memory and kept for the session.
 
 The recipe is deterministic: one BLAS thread (as the training page runs it) and seeded generators,
-so the model from the cache is bit for bit the model the training page trains, which that page
-asserts.
+so the model from the cache is bit for bit the model the training page trains: that page checks
+the recipe against :func:`train_lm` and hands its model on with :func:`remember`.
 
 >>> data = corpus_data()
 >>> len(data.vocab), data.T
@@ -39,7 +39,7 @@ from threadpoolctl import threadpool_limits
 import sdpa
 from sdpa.nn import AdamW, DecoderLM, cross_entropy
 
-__all__ = ["Corpus", "Trained", "corpus_data", "train_lm", "trained_lm"]
+__all__ = ["Corpus", "Trained", "corpus_data", "remember", "train_lm", "trained_lm"]
 
 # -- the grammar (the same words and probabilities as the training page) -----------------------
 
@@ -248,7 +248,7 @@ def train_lm(
     on_step : callable, optional
         ``on_step(step, model, loss)`` after every step, to record what a page studies.
     **options
-        Overrides of :data:`MODEL` and further :class:`sdpa.nn.DecoderLM` arguments.
+        Overrides of ``MODEL`` and further :class:`sdpa.nn.DecoderLM` arguments.
     """
     data = corpus_data(T, bos)
     val, _ = data.val_windows()
@@ -279,16 +279,26 @@ def _fingerprint(arguments: dict) -> str:
     return digest.hexdigest()[:20]
 
 
-@functools.cache
-def _trained_in_memory(arguments_json: str) -> Trained:
-    return _trained(json.loads(arguments_json))
+_IN_MEMORY: dict[str, Trained] = {}  # by the arguments' JSON: what this session trained or read
+
+
+def _path(arguments: dict) -> Path | None:
+    folder = os.environ.get("SDPA_MODEL_CACHE")
+    return Path(folder) / f"lm-{_fingerprint(arguments)}.npz" if folder else None
+
+
+def _save(result: Trained, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {"param/" + k: v for k, v in result.model.params.items()}
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as f:
+        np.savez(f, train_loss=result.train_loss, val_loss=result.val_loss, **arrays)
+    os.replace(f.name, path)  # atomic: a reader never sees half a file
 
 
 def _trained(arguments: dict) -> Trained:
-    folder = os.environ.get("SDPA_MODEL_CACHE")
-    if not folder:
+    path = _path(arguments)
+    if path is None:
         return train_lm(**arguments)
-    path = Path(folder) / f"lm-{_fingerprint(arguments)}.npz"
     if path.exists():
         with np.load(path) as saved:
             options = {k: v for k, v in arguments.items() if k not in TRAINING}
@@ -298,11 +308,7 @@ def _trained(arguments: dict) -> Trained:
                 model.params[name] = saved["param/" + name]
             return Trained(model, data, saved["train_loss"], saved["val_loss"])
     result = train_lm(**arguments)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {"param/" + k: v for k, v in result.model.params.items()}
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as f:
-        np.savez(f, train_loss=result.train_loss, val_loss=result.val_loss, **arrays)
-    os.replace(f.name, path)  # atomic: a reader never sees half a file
+    _save(result, path)
     return result
 
 
@@ -322,4 +328,25 @@ def trained_lm(**arguments) -> Trained:
     """
     if "on_step" in arguments:
         raise TypeError("trained_lm caches its result, so it takes no on_step; use train_lm")
-    return _trained_in_memory(json.dumps(arguments, sort_keys=True))
+    key = json.dumps(arguments, sort_keys=True)
+    if key not in _IN_MEMORY:
+        _IN_MEMORY[key] = _trained(json.loads(key))
+    return _IN_MEMORY[key]
+
+
+def remember(trained: Trained) -> None:
+    """Keep a model trained elsewhere as ``trained_lm()`` (the default arguments).
+
+    The training page trains the model in front of the reader and checks that its recipe is
+    :func:`train_lm`'s (the same losses, bit for bit, over the first steps); it then hands its
+    model to the later pages with this, instead of their training it a second time.
+
+    Parameters
+    ----------
+    trained : Trained
+        The model, its corpus (that of :func:`corpus_data`) and its learning curves.
+    """
+    _IN_MEMORY[json.dumps({})] = trained
+    path = _path({})
+    if path is not None:
+        _save(trained, path)

@@ -89,11 +89,13 @@ def _tags(cell: dict) -> set[str]:
 def describe(cell: Cell, glue: dict) -> str | None:
     """What a hidden cell does, in a few words, from its code, outputs and glue (None: unknown)."""
     source = cell.cell.get("source", "")
-    images = tables = texts = 0
+    images = tables = texts = widgets = 0
     for output in cell.outputs:
         data = output.get("data", {})
         if any(mime.startswith("image/") for mime in data):
             images += 1
+        elif 'class="sdpa-widget' in str(data.get("text/html", "")):
+            widgets += 1  # sdpa_book.widgets: an interactive figure, or its static picture
         elif str(data.get("text/markdown", "")).lstrip().startswith("|") or "<table" in str(
             data.get("text/html", "")
         ):
@@ -106,6 +108,8 @@ def describe(cell: Cell, glue: dict) -> str | None:
         parts.append("draws the figure" if images == 1 else f"draws {images} figures")
     if tables:
         parts.append("writes the table" if tables == 1 else f"writes {tables} tables")
+    if widgets:
+        parts.append("shows the interactive figure (here, its first state)")
     if texts:
         parts.append("writes the text shown as its output")
     if values:

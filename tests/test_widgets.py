@@ -1,0 +1,155 @@
+"""The interactive figures' states (sdpa_book.widgets) against the package, and their HTML."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import sdpa
+from sdpa_book import widgets
+from sdpa_book.widgets import (
+    Control,
+    flash_states,
+    kv_cache_bytes,
+    mask_weights,
+    rope_states,
+)
+
+BUILDERS = [
+    widgets.softmax_widget,
+    widgets.mask_widget,
+    widgets.flash_loop_widget,
+    widgets.rope_widget,
+    widgets.kv_cache_widget,
+]
+
+
+@pytest.mark.parametrize(
+    "layers, kv_heads, head_dim, dtype, batch",
+    [(32, 8, 128, np.float16, 1), (80, 8, 128, np.float32, 4), (2, 1, 64, np.float16, 3)],
+)
+def test_kv_cache_bytes_is_the_caches_own_count(layers, kv_heads, head_dim, dtype, batch):
+    cache = sdpa.KVCache(layers, kv_heads, head_dim, batch_size=batch, dtype=dtype, capacity=1)
+    got = kv_cache_bytes(
+        1000,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype_bytes=np.dtype(dtype).itemsize,
+        batch=batch,
+    )
+    assert got == 1000 * cache.bytes_per_token
+
+
+def test_kv_cache_bytes_mla_ignores_the_heads():
+    one = kv_cache_bytes(10, layers=4, kv_heads=1, head_dim=128, dtype_bytes=2, latent=512)
+    many = kv_cache_bytes(10, layers=4, kv_heads=64, head_dim=128, dtype_bytes=2, latent=512)
+    assert one == many == 10 * 4 * 512 * 2
+    assert (
+        kv_cache_bytes(
+            10, layers=4, kv_heads=1, head_dim=128, dtype_bytes=2, latent=512, rope_dim=64
+        )
+        == 10 * 4 * 576 * 2
+    )
+
+
+@pytest.mark.parametrize("T, S", [(3, 5), (5, 3), (8, 8)])
+def test_mask_states_are_the_masks(T, S):
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    expected = {
+        "none": np.ones((T, S), dtype=bool),
+        "causal-tl": j <= i,
+        "causal-br": j <= i + S - T,
+        "window": (j <= i + S - T) & (j >= i + S - T - 2),
+        "padding": np.broadcast_to(j < S - 2, (T, S)),
+    }
+    for kind, allowed in expected.items():
+        weights, got = mask_weights(kind, T, S)
+        np.testing.assert_array_equal(got, allowed, err_msg=kind)
+        rows = allowed.any(axis=1)
+        np.testing.assert_allclose(weights.sum(axis=1)[rows], 1)
+        assert np.all(weights[~rows] == 0)
+
+
+def test_mask_weights_rejects_an_unknown_kind():
+    with pytest.raises(ValueError, match="unknown mask kind"):
+        mask_weights("diagonal", 3, 3)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_states_follow_the_online_softmax(is_causal):
+    s = flash_states(is_causal=is_causal)
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((8, 4)), rng.standard_normal((8, 4)), rng.standard_normal((8, 1))
+    want = sdpa.scaled_dot_product_attention(q, k, v, is_causal=is_causal)[:, 0]
+    np.testing.assert_allclose(s["exact"], want, atol=1e-6)
+    np.testing.assert_allclose(s["steps"][-1]["out"], want, atol=1e-6)
+    scores = q @ k.T / 2
+    if is_causal:
+        scores = np.where(np.tril(np.ones((8, 8), dtype=bool)), scores, -np.inf)
+    for (i0, j0), step in zip(s["tiles"], s["steps"]):
+        i1, j1 = i0 + 4, j0 + 2
+        for i in range(i0, i1):
+            seen = scores[i, :j1]
+            m = seen.max()
+            l = np.exp(seen - m).sum()
+            acc = np.exp(seen - m) @ v[:j1, 0]
+            np.testing.assert_allclose([step["m"][i], step["l"][i], step["acc"][i]], [m, l, acc],
+                                       atol=2e-6)  # fmt: skip
+            np.testing.assert_allclose(step["out"][i], acc / l, atol=2e-6)
+    n_full = 2 * 4
+    assert len(s["tiles"]) == (n_full if not is_causal else 2 + 4)
+
+
+def test_rope_scores_depend_on_the_offset_only():
+    a = np.array(rope_states()["scores"])
+    for d in range(-15, 16):
+        assert np.ptp(np.diagonal(a, offset=d)) < 2e-6
+    assert np.ptp(a) > 0.5  # and they do change with the offset
+
+
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda f: f.__name__)
+def test_widget_html_is_accessible_and_small(build):
+    w = build()
+    text = w._repr_html_()
+    assert len(text.encode()) < 300_000  # each page adds at most 300 KB beyond the library
+    # every control labelled, sliders and menus are the browser's own
+    for c in w.controls:
+        ident = re.search(rf'id="([^"]+-{re.escape(c.name)})"', text).group(1)
+        assert f'<label for="{ident}">' in text
+    assert 'aria-live="polite"' in text and 'role="group"' in text
+    assert re.search(
+        r'<img class="sdpa-widget-static" src="data:image/png;base64,[^"]+" alt="[^"]{20,}"', text
+    )
+    # the controls and the live figure appear only when the script has run
+    assert '<div class="sdpa-widget-controls" hidden>' in text
+    assert '<div class="sdpa-widget-plot"' in text and "hidden></div>" in text
+    payload = re.search(
+        r'<script type="application/json" class="sdpa-widget-data">(.*?)</script>', text, re.S
+    ).group(1)
+    spec = json.loads(payload)
+    assert set(spec) == {"item", "data", "code"}
+    assert "return" in spec["code"]
+    # the figure's text is at least 9 CSS px
+    sizes = [int(m) for m in re.findall(r'"(\d+)px"', json.dumps(spec["item"]))]
+    assert sizes and min(sizes) >= 9
+
+
+def test_widget_without_bokeh_shows_the_static_picture(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bokeh.embed", None)  # import fails as when not installed
+    text = widgets.kv_cache_widget()._repr_html_()
+    assert "sdpa-widget-static-only" in text and "data:image/png;base64," in text
+    assert "<script" not in text
+
+
+def test_control_checks_its_value():
+    with pytest.raises(ValueError, match="kind"):
+        Control("x", "X", "knob", 1)
+    with pytest.raises(ValueError, match="outside"):
+        Control("x", "X", "range", 5, low=0, high=1)
+    with pytest.raises(ValueError, match="not one of the options"):
+        Control("x", "X", "select", "c", options=[("a", "A"), ("b", "B")])
