@@ -56,15 +56,16 @@ $(NODE_STAMP): package.json package-lock.json
 
 node_modules: $(NODE_STAMP) ## install MathJax for the book from package-lock.json (npm ci)
 
-# The source-archive test builds the book again in a fresh folder (minutes, mostly one core): it
-# runs beside the other tests, its output shown when both are done; either failing fails the run.
-ARCHIVE_TEST := tests/test_source_archive.py
+# The reader's tests rebuild the book from the source archive in a fresh folder, and run every
+# page's notebook in a fresh environment (minutes of page execution): they run beside the other
+# tests, their output shown when both are done; either failing fails the run.
+READER_TESTS := tests/test_source_archive.py tests/test_notebooks.py
 test: $(STAMP) lint html-force ## run every test: lint, unit, doctests, README, book build and browser
-	@$(VPY) -m pytest -p no:cacheprovider $(ARCHIVE_TEST) $(PYTEST_ARGS) > $(BUILDDIR)/archive-test.log 2>&1 & archive=$$!; \
-	$(VPY) -m pytest --ignore=$(ARCHIVE_TEST) $(PYTEST_ARGS); rest=$$?; \
-	wait $$archive; archive_status=$$?; \
-	echo "== $(ARCHIVE_TEST) (run beside the others) =="; cat $(BUILDDIR)/archive-test.log; \
-	exit $$(( rest || archive_status ))
+	@$(VPY) -m pytest -p no:cacheprovider $(READER_TESTS) $(PYTEST_ARGS) > $(BUILDDIR)/reader-tests.log 2>&1 & reader=$$!; \
+	$(VPY) -m pytest $(foreach t,$(READER_TESTS),--ignore=$(t)) $(PYTEST_ARGS); rest=$$?; \
+	wait $$reader; reader_status=$$?; \
+	echo "== $(READER_TESTS) (run beside the others) =="; cat $(BUILDDIR)/reader-tests.log; \
+	exit $$(( rest || reader_status ))
 
 unit: $(STAMP) ## run the unit tests and doctests only (no book build, no browser)
 	$(VPY) -m pytest -m "not browser and not site" $(PYTEST_ARGS)

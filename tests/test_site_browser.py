@@ -9,8 +9,9 @@ sources (.md, and .ipynb for executed pages). It also asserts that nothing is cl
 desktop no table, formula or figure is wider than the content column and no figure is shrunk below
 3/4 of its size (so its 9-point text stays at least 9 px); on the phone the page never scrolls
 sideways, and a table too wide for the screen scrolls inside a container that shows a cue; in
-both, exactly one search box or button is in view. A
-full-page screenshot of each visit is saved in ``_build/screenshots/<mode>/``.
+both, exactly one search box or button is in view. A screenshot of each visit is saved in
+``_build/screenshots/<mode>/``: the first screen, or the whole page with
+``SDPA_FULL_SCREENSHOTS=1`` (for a review by eye; a long page takes seconds to capture).
 
 The pages are visited once per mode by a module fixture (a few at a time, to keep the run short);
 each page then has its own test that reports what was found there.
@@ -50,6 +51,7 @@ CHROMIUM_ARGS = [
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
 CONCURRENCY = 2  # pages open at once: overlaps waiting without crowding 2 cores
+FULL_SCREENSHOTS = os.environ.get("SDPA_FULL_SCREENSHOTS") == "1"
 TIMEOUT_MS = 180_000  # generous: a busy shared machine can be 10 times slower than an idle one
 
 # Raw TeX that MathJax would have replaced: delimiters, commands, and $...$ spans with maths in them.
@@ -333,7 +335,7 @@ async def _visit(browser, mode: str, page_name: str, url: str) -> list[str]:
                 if response.status != 200 or not await response.body():
                     problems.append(f"download link {href} gives HTTP {response.status}")
         await page.screenshot(
-            path=str(_shot_path(mode, page_name)), full_page=True, timeout=TIMEOUT_MS
+            path=str(_shot_path(mode, page_name)), full_page=FULL_SCREENSHOTS, timeout=TIMEOUT_MS
         )
     except PlaywrightError as error:
         problems.append(f"{type(error).__name__}: {error}")
