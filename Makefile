@@ -57,15 +57,17 @@ $(NODE_STAMP): package.json package-lock.json
 node_modules: $(NODE_STAMP) ## install MathJax for the book from package-lock.json (npm ci)
 
 # The reader's tests rebuild the book from the source archive in a fresh folder, and run every
-# page's notebook in a fresh environment (minutes of page execution): they run beside the other
-# tests, their output shown when both are done; either failing fails the run.
+# page's notebook in a fresh environment (minutes of page execution, mostly one core each): each
+# runs beside the other tests, its output shown when all are done; any failing fails the run.
 READER_TESTS := tests/test_source_archive.py tests/test_notebooks.py
 test: $(STAMP) lint html-force ## run every test: lint, unit, doctests, README, book build and browser
-	@$(VPY) -m pytest -p no:cacheprovider $(READER_TESTS) $(PYTEST_ARGS) > $(BUILDDIR)/reader-tests.log 2>&1 & reader=$$!; \
-	$(VPY) -m pytest $(foreach t,$(READER_TESTS),--ignore=$(t)) $(PYTEST_ARGS); rest=$$?; \
-	wait $$reader; reader_status=$$?; \
-	echo "== $(READER_TESTS) (run beside the others) =="; cat $(BUILDDIR)/reader-tests.log; \
-	exit $$(( rest || reader_status ))
+	@pids=""; for t in $(READER_TESTS); do \
+	  $(VPY) -m pytest -p no:cacheprovider $$t $(PYTEST_ARGS) > $(BUILDDIR)/$$(basename $$t .py).log 2>&1 & pids="$$pids $$!"; \
+	done; \
+	$(VPY) -m pytest $(foreach t,$(READER_TESTS),--ignore=$(t)) $(PYTEST_ARGS); status=$$?; \
+	for p in $$pids; do wait $$p || status=1; done; \
+	for t in $(READER_TESTS); do echo "== $$t (run beside the others) =="; cat $(BUILDDIR)/$$(basename $$t .py).log; done; \
+	exit $$status
 
 unit: $(STAMP) ## run the unit tests and doctests only (no book build, no browser)
 	$(VPY) -m pytest -m "not browser and not site" $(PYTEST_ARGS)

@@ -11,6 +11,7 @@ import copy
 
 import numpy as np
 import pytest
+from nn_checks import central_difference
 
 from sdpa import nn
 
@@ -59,19 +60,6 @@ def batch(rng):
 # ---------------------------------------------------------------------------------------------
 # Gradients
 # ---------------------------------------------------------------------------------------------
-
-
-def central_difference(model, tokens, targets, name, direction, eps=1e-6):
-    """d loss / d t of loss(params[name] + t * direction) at t = 0, by a central difference;
-    the loss from forward() alone, independent of the backward pass."""
-    p = model.params[name]
-    saved = p.copy()
-    losses = []
-    for sign in (1.0, -1.0):
-        p[...] = saved + sign * eps * direction
-        losses.append(nn.cross_entropy(model.forward(tokens), targets))
-    p[...] = saved
-    return (losses[0] - losses[1]) / (2 * eps)
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())

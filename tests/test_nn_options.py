@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 import pytest
+from nn_checks import central_difference
 
 from sdpa import nn
 
@@ -89,18 +90,6 @@ def batch(rng):
 # ---------------------------------------------------------------------------------------------
 # Gradients: central finite differences and torch.autograd
 # ---------------------------------------------------------------------------------------------
-
-
-def central_difference(model, tokens, targets, name, direction, eps=1e-6):
-    """d loss / d t of loss(params[name] + t * direction) at t = 0, from forward() alone."""
-    p = model.params[name]
-    saved = p.copy()
-    losses = []
-    for sign in (1.0, -1.0):
-        p[...] = saved + sign * eps * direction
-        losses.append(nn.cross_entropy(model.forward(tokens), targets))
-    p[...] = saved
-    return (losses[0] - losses[1]) / (2 * eps)
 
 
 def is_new(name: str) -> bool:
