@@ -295,7 +295,14 @@ def _build_unpacked(archive: bytes, tmp: Path) -> dict:
 
     t0 = time.perf_counter()
     # --prefer-offline: npm's cache serves the pinned MathJax when it has it, else the registry.
-    make = _run(["make", "html", "NPM=npm --prefer-offline"], folder, env, BUILD_TIMEOUT)
+    # The reader's command, with the pages read (and executed) two at a time: this build runs
+    # beside the other tests of `make test`, and the two cores have room for it.
+    make = _run(
+        ["make", "html", "NPM=npm --prefer-offline", "SPHINXOPTS=-n -W --keep-going -j 2"],
+        folder,
+        env,
+        BUILD_TIMEOUT,
+    )
     seconds["make html"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     # Its own temporary folder: pytest prunes the oldest of /tmp/pytest-of-<user>/, this run's too.
