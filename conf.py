@@ -16,6 +16,7 @@ What goes beyond a stock configuration is done by the book's own extensions, in 
   ``requirements.txt`` and one archive of every notebook, in ``downloads/``.
 * ``sdpa_widgets``: BokehJS, copied from the installed ``bokeh`` into the site, and the script
   that runs the interactive figures of ``sdpa_book.widgets``, on the pages that have one.
+* ``sdpa_parallel``: a parallel build (``-j 2``) reads the slowest pages first, each alone.
 """
 
 import os
@@ -50,6 +51,7 @@ extensions = [
     "sdpa_notebooks",
     "sdpa_downloads",
     "sdpa_widgets",
+    "sdpa_parallel",
 ]
 
 # One .bib file per topic so that chapters can add references independently.
@@ -78,6 +80,18 @@ os.environ["SDPA_BOOK_BUILD"] = "1"
 # Relative to this folder; Inside the fast path renders the committed benchmark results.
 sdpa_cache_packages = ["src/sdpa", "src/sdpa_book", "benchmarks/results/latest.json"]
 sdpa_cache_distributions = ["numpy", "matplotlib", "bokeh"]  # and the Python version
+# The pages that execute longest (they train models): a parallel build reads each in a process of
+# its own, in this order, before the others (sdpa_parallel). The training page comes first: the
+# pages of Part VIII reuse the model it trains (sdpa_book.lm) instead of training it again.
+# Only the build's time depends on this list.
+sdpa_slow_pages = [
+    "lm/training",
+    "lm/induction-heads",
+    "measured/qk-norm",
+    "measured/attention-sinks",
+    "modern/sparse-attention",
+    "gradients/scaling-revisited",
+]
 
 # API reference (sdpa_api: sdpa.__all__ is documented in full; other modules skip its names)
 sdpa_api_package = "sdpa"

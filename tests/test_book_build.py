@@ -4,6 +4,7 @@
 * The execution cache never serves stale outputs: a page runs once, is not run again when
   nothing changed, and runs again when only the package changed (its own code did not).
 * Executed pages are offered as notebooks next to their MyST source.
+* A parallel build reads each slow page in a process of its own, ahead of the others.
 
 Each test copies ``conf.py`` into a temporary project with its own small ``src/sdpa`` package,
 so the real package is never touched; MathJax comes from the project's ``node_modules``.
@@ -196,3 +197,21 @@ def test_executed_pages_are_offered_as_notebooks(cache_story):
     # A page without code is not a notebook and offers only its source.
     assert "page.ipynb" not in cache_story["index_html"]
     assert "index.ipynb" not in cache_story["index_html"]
+
+
+def test_a_parallel_build_reads_each_slow_page_alone_and_first():
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    try:
+        import sdpa_parallel
+    finally:
+        sys.path.remove(str(ROOT / "book" / "_ext"))
+    docs = [f"part/page{i:02d}" for i in range(40)]
+    sdpa_parallel.SLOW_FIRST[:] = ["part/page30", "absent/page", "part/page05"]
+    try:
+        chunks = sdpa_parallel.slow_first_chunks(docs, 2)
+    finally:
+        sdpa_parallel.SLOW_FIRST.clear()
+    assert chunks[:2] == [["part/page30"], ["part/page05"]]
+    rest = [name for chunk in chunks[2:] for name in chunk]
+    assert rest == [name for name in docs if name not in {"part/page30", "part/page05"}]
+    assert all(len(chunk) < len(docs) // 2 for chunk in chunks[2:])  # still shared out

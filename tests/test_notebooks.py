@@ -5,7 +5,10 @@ download menu, and the files the page "Run it yourself" links (the archive, the 
 ``requirements.txt``); then it follows that page's commands: unpack the archive, create a
 virtual environment in its folder, ``pip install -r requirements.txt <wheel>`` (pip may use its
 cache; ``--no-compile`` saves half the install's time), and run every notebook top to bottom with
-``jupyter execute``, two at a time.
+``jupyter execute``, two at a time, the slowest first (the build's ``sdpa_slow_pages``). The
+notebooks of the run share one folder of trained models (``SDPA_MODEL_CACHE``, empty at the start),
+as one reader's would: the model of *Training a language model*, which four later pages study, is
+trained once in the run instead of once in each.
 
 It fails when a page with code offers no notebook; when a notebook's Markdown still holds MyST (a
 ``{role}`` or a directive fence: ``{glue``, ``{ref``, ``{cite``, ``{numref``...); when its code
@@ -20,6 +23,7 @@ except under ``SDPA_REQUIRE_REFERENCES=1`` (CI), where they fail.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import hashlib
 import io
@@ -85,6 +89,19 @@ def _book_pages() -> list[str]:
 
 
 NOTEBOOK_PAGES = _book_pages()
+
+
+def _slow_pages() -> list[str]:
+    """The html pages of the build's ``sdpa_slow_pages`` (conf.py), in their order."""
+    for node in ast.parse((ROOT / "conf.py").read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "sdpa_slow_pages":
+            return [f"{name}.html" for name in ast.literal_eval(node.value)]
+    raise AssertionError("conf.py sets no sdpa_slow_pages")
+
+
+def _slowest_first(pages: list[str]) -> list[str]:
+    slow = [page for page in _slow_pages() if page in pages]
+    return slow + [page for page in pages if page not in slow]
 
 
 def _skip_or_fail(reason: str) -> None:
@@ -170,6 +187,7 @@ def reader(server, tmp_path_factory) -> dict:
         archive.extractall(tmp)
     folder = tmp / found["archive"].removesuffix(".zip")
     env = _reader_env(tmp)
+    env["SDPA_MODEL_CACHE"] = str(tmp / "models")  # shared by this run's notebooks, empty now
     created = _run([sys.executable, "-m", "venv", ".venv"], env, folder, 300)
     assert created.returncode == 0, created.stderr
     bin_dir = folder / ".venv" / "bin"
@@ -197,7 +215,9 @@ def reader(server, tmp_path_factory) -> dict:
 
     t0 = time.perf_counter()
     runnable = [
-        page for page in NOTEBOOK_PAGES if (folder / page.replace(".html", ".ipynb")).exists()
+        page
+        for page in _slowest_first(NOTEBOOK_PAGES)
+        if (folder / page.replace(".html", ".ipynb")).exists()
     ]
     with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
         for page, result, seconds in pool.map(execute, runnable):
@@ -233,6 +253,16 @@ def myst_left(text: str) -> list[str]:
     left = [f"{{{name}}}" for name in MYST_ROLE.findall(text)] + MYST_FENCE.findall(text)
     text = CODE.sub(" ", MYST_ROLE.sub(" ", text))
     return sorted(set(left + [word for word in MYST_WORDS if word in text]))
+
+
+def test_the_slowest_notebooks_run_first():
+    assert _slow_pages()[:2] == ["lm/training.html", "lm/induction-heads.html"]
+    assert set(_slow_pages()) <= set(NOTEBOOK_PAGES)
+    assert _slowest_first(["a.html", "lm/induction-heads.html", "b.html"]) == [
+        "lm/induction-heads.html",
+        "a.html",
+        "b.html",
+    ]
 
 
 def test_myst_left_finds_roles_and_directives_but_not_tex_or_code():
