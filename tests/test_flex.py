@@ -506,11 +506,9 @@ def test_stats_of_a_causal_mask(rng):
     assert (stats.computed, stats.masked, stats.skipped) == (2 * 36, 2 * 8, 2 * 28)
     assert stats.units == 2 * 8
     # block_k = 48 keys: pieces of 3 blocks, so query block m (m + 1 blocks) takes
-    # ceil((m + 1) / 3) pieces, and its last piece two products when the partial diagonal
-    # block shares it with full ones
+    # ceil((m + 1) / 3) pieces, one product each (the partial diagonal block in its last)
     pieces = [-(-(m + 1) // 3) for m in range(8)]
-    shared = [(m + 1) % 3 != 1 for m in range(8)]
-    assert stats.tiles == 2 * (sum(pieces) + sum(shared))
+    assert stats.tiles == 2 * sum(pieces)
     assert stats.skipped / (stats.computed + stats.skipped) == mask.sparsity() / 100
 
 
@@ -582,10 +580,10 @@ def test_auto_tiles_large_problems(rng):
     q = normal(rng, 1, 2, 1024, 8, dtype=np.float32)
     mask = create_block_mask(_causal, None, None, 1024, 1024)
     flex_attention(q, q, q, spy, mask)
-    # per head and block of 128 query rows m: the full blocks before the diagonal in one
-    # product (m * 128 keys), the partial diagonal block in another (128 keys)
+    # per head and block of 128 query rows m: one product of the m + 1 blocks up to and
+    # including the diagonal, (m + 1) * 128 keys
     widths = sorted(shape[-1] for shape in spy.shapes)
-    assert widths == sorted(2 * ([128] * 8 + [128 * m for m in range(1, 8)]))
+    assert widths == sorted(2 * [128 * (m + 1) for m in range(8)])
     assert {shape[:3] for shape in spy.shapes} == {(1, 1, 128)}
 
 

@@ -19,13 +19,11 @@ query heads that share a key head folded in when the mask does not depend on the
 
 1. gather the key blocks the block mask marks non-empty, skipping the empty ones entirely:
    no product, no ``score_mod``, no ``mask_mod`` on their entries;
-2. one product for each run of full blocks and for each run of partial blocks among them
-   (in pieces of at most ``block_k`` keys): the masks then work on small contiguous tiles;
-3. ``score_mod`` on those scores, ``mask_mod`` on the *partial* blocks only (a full block needs
-   no mask);
-4. an exact softmax over the gathered row (the tiles of a piece share one shift), or an
-   online one (running maximum ``m`` and normaliser ``l``, as in :mod:`sdpa.tiled`) across
-   the pieces when the row is longer.
+2. one product for the gathered keys (in pieces of at most ``block_k`` keys);
+3. ``score_mod`` on those scores, ``mask_mod`` on the columns of the *partial* blocks only (a
+   full block needs no mask);
+4. an exact softmax over the gathered row, or an online one (running maximum ``m`` and
+   normaliser ``l``, as in :mod:`sdpa.tiled`) across the pieces when the row is longer.
 
 Without a ``score_mod`` the scores are computed in base 2 where ``exp2`` is the faster
 exponential (:func:`sdpa.tuning.tile_exponential`), as the tiled path of
@@ -115,8 +113,8 @@ class FlexStats:
     units : int
         Work units: one block of query rows of one head, or of the heads that share a key head.
     tiles : int
-        Matrix products of a unit's queries with its gathered keys: one per run of full blocks
-        and one per run of partial blocks in each piece of at most ``block_k`` keys.
+        Matrix products of a unit's queries with its gathered keys: one per piece of at most
+        ``block_k`` keys.
     computed : int
         Blocks whose scores were computed (0 without a block mask).
     masked : int
@@ -392,10 +390,10 @@ class _Piece:
     partial: tuple[tuple[int, int], ...]  # column ranges c0:c1 of the piece in partial blocks
     n_partial: int  # partial blocks
 
-    @property
-    def tiles(self) -> list[tuple[int, int, int | None]]:
+    @functools.cached_property
+    def runs(self) -> list[tuple[int, int, int | None]]:
         """``(c0, c1, i)``: the piece's columns cut into runs of full blocks (``i`` None) and
-        runs of partial ones (``i``, the index in ``partial``), each a product of its own."""
+        runs of partial ones (``i``, the index in ``partial``)."""
         tiles, start = [], 0
         for i, (c0, c1) in enumerate(self.partial):
             if c0 > start:
@@ -436,11 +434,10 @@ class _Piece:
 class _Softmax:
     """The online softmax of one unit's rows over its pieces: ``m``, ``l`` and ``acc``.
 
-    A piece may come in several tiles (runs of full blocks and of partial ones), which share
-    one shift. In base 2 (``exp`` is ``numpy.exp2``) the scores are ``log2(e)`` times the
-    natural ones and so are ``m`` and the shift; the lse is converted back. SVML's ``exp2`` is
-    several times slower on ``-inf`` than on finite numbers, so the tiles of partial blocks,
-    where the disallowed entries are ``-inf``, take ``exp(x ln 2)`` instead.
+    In base 2 (``exp`` is ``numpy.exp2``) the scores are ``log2(e)`` times the natural ones and
+    so are ``m`` and the shift; the lse is converted back. SVML's ``exp2`` is several times
+    slower on ``-inf`` than on finite numbers, so the columns of partial blocks, where the
+    disallowed entries are ``-inf``, take ``exp(x ln 2)`` instead.
     """
 
     def __init__(self, exp: Callable):
@@ -450,30 +447,20 @@ class _Softmax:
         self.l = None  # running normaliser, (rows,)
         self.acc = None  # sum of exp(score - shift) v, (rows, Dv)
 
-    def add(self, tiles: list[np.ndarray], values: list[np.ndarray], partial: list[bool]):
-        """Fold in a piece: its tiles of scores ``(1, heads, Bq, keys)`` (overwritten), with
-        disallowed entries at ``-inf`` in the ``partial`` ones, and their values ``(keys, Dv)``."""
-        scores = [t.reshape(-1, t.shape[-1]) for t in tiles]  # (rows, keys) views
-        m = functools.reduce(np.maximum, [s.max(axis=1) for s in scores])  # NaN stays NaN
+    def add(self, tile: np.ndarray, value: np.ndarray, runs: list):
+        """Fold in a piece: its scores ``(1, heads, Bq, keys)`` (overwritten), with disallowed
+        entries at ``-inf`` in the partial ``runs`` ``(c0, c1, i)`` (``i`` None for full
+        ones), and its values ``(keys, Dv)``."""
+        s = tile.reshape(-1, tile.shape[-1])  # (rows, keys) view
+        m = s.max(axis=1)  # NaN stays NaN
         if self.m is not None:
             m = np.maximum(self.m, m)
-        shift = np.where(np.isneginf(m), 0, m).astype(scores[0].dtype, copy=False)
-        l_piece = acc_piece = None
-        for s, value, is_partial in zip(scores, values, partial):
-            with np.errstate(invalid="ignore"):  # inf - inf: a score_mod's +inf gives NaN
-                np.subtract(s, shift[:, None], out=s)
-            if self.exp is np.exp2 and is_partial:  # exp(x ln 2): -inf would slow exp2
-                np.multiply(s, s.dtype.type(LN2), out=s)
-                np.exp(s, out=s)
-            else:
-                self.exp(s, out=s)  # every exponent <= 0
-            l_tile = s.sum(axis=1)
-            acc_tile = s @ value  # (rows, keys) @ (keys, Dv) -> (rows, Dv)
-            if l_piece is None:
-                l_piece, acc_piece = l_tile, acc_tile
-            else:
-                l_piece += l_tile
-                acc_piece += acc_tile
+        shift = np.where(np.isneginf(m), 0, m).astype(s.dtype, copy=False)
+        with np.errstate(invalid="ignore"):  # inf - inf: a score_mod's +inf gives NaN
+            np.subtract(s, shift[:, None], out=s)
+        self.exponential(s, runs)  # every exponent <= 0
+        l_piece = s.sum(axis=1)
+        acc_piece = s @ value  # (rows, keys) @ (keys, Dv) -> (rows, Dv)
         if self.m is None:
             self.l, self.acc = l_piece, acc_piece
         else:
@@ -482,6 +469,19 @@ class _Softmax:
             self.l = self.l * alpha + l_piece
             self.acc = self.acc * alpha[:, None] + acc_piece
         self.m, self.shift = m, shift
+
+    def exponential(self, s: np.ndarray, runs: list) -> None:
+        """``exp`` of ``s`` in place; in base 2, ``exp(x ln 2)`` on the columns of partial runs."""
+        if self.exp is not np.exp2 or all(i is None for *_, i in runs):
+            self.exp(s, out=s)
+            return
+        for c0, c1, i in runs:
+            run = s[:, c0:c1]
+            if i is None:
+                np.exp2(run, out=run)
+            else:
+                np.multiply(run, run.dtype.type(LN2), out=run)
+                np.exp(run, out=run)
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """``(out, lse)``: ``acc / l`` and ``shift + log l`` in natural units; 0 and -inf where
@@ -559,20 +559,14 @@ class _Worker:
         tiling.lse[b, hk, g0:g1, t0:t1] = lse.reshape(heads, t1 - t0)
 
     def add_piece(self, softmax, piece: _Piece, masks: list, q_tile, key, value, where) -> None:
-        """One piece into the unit's softmax: a product per tile (a run of full blocks, or of
-        partial ones), masked and modified; ``where`` is ``(b, h, t0, t1)``."""
-        b, h, t0, t1 = where
-        keys, values = piece.gather(key), piece.gather(value)
-        tiles = piece.tiles
-        self.stats.tiles += len(tiles)
+        """One piece into the unit's softmax: one product, masked on its partial runs and
+        modified; ``where`` is ``(b, h, t0, t1)``."""
+        self.stats.tiles += 1
         if self.tiling.call.block_mask is not None:
-            self.stats.masked += len(h) * piece.n_partial
-        scores = []
-        for c0, c1, p in tiles:
-            mask = None if p is None else masks[p]
-            scores.append(self.scores(q_tile, keys[c0:c1], mask, b, h, t0, t1, piece.cols[c0:c1]))
-        partial = [p is not None for *_, p in tiles]
-        softmax.add(scores, [values[c0:c1] for c0, c1, _ in tiles], partial)
+            self.stats.masked += len(where[1]) * piece.n_partial
+        runs = piece.runs
+        scores = self.scores(q_tile, piece.gather(key), piece, runs, masks, where)
+        softmax.add(scores, piece.gather(value), runs)
 
     def cached(self, cache: dict, key, make: Callable):
         """``cache[key]``, made by ``make()`` when missing (the cache emptied when full)."""
@@ -617,26 +611,28 @@ class _Worker:
 
         return self.cached(self.masks, key, evaluate)
 
-    def scores(self, q_tile, key, mask, b, h, t0, t1, cols) -> np.ndarray:
-        """A tile's masked, modified scores ``(1, heads, t1 - t0, keys)``: ``key`` holds its
-        keys ``(keys, Dk)``, at positions ``cols``; ``mask`` is None for full blocks."""
+    def scores(self, q_tile, keys, piece: _Piece, runs: list, masks: list, where) -> np.ndarray:
+        """A piece's masked, modified scores ``(1, heads, t1 - t0, keys)``: ``keys`` ``(keys,
+        Dk)`` are its gathered keys; ``masks[i]`` masks the columns of the partial run ``i``."""
         call = self.tiling.call
         problem = call.problem
-        heads, rows = len(h), t1 - t0
+        b, h, t0, t1 = where
         with overflow_checked(problem):
-            scores = q_tile @ key.T  # (heads * Bq, Dk) @ (Dk, keys) -> (heads * Bq, keys)
-        scores4 = scores.reshape(1, heads, rows, -1)
-        if problem.may_overflow:  # then the tiles are in base e: a mask is ~mask_mod
-            check_overflow(problem, scores4, None if mask is None else ~mask, None)
+            scores = q_tile @ keys.T  # (heads * Bq, Dk) @ (Dk, keys) -> (heads * Bq, keys)
+        scores = scores.reshape(1, len(h), t1 - t0, -1)
+        if problem.may_overflow:  # then the scores are in base e: a mask is ~mask_mod
+            for c0, c1, i in runs:
+                allowed = None if i is None else ~masks[i]
+                check_overflow(problem, scores[..., c0:c1], allowed, None)
         if call.score_mod is not None:
-            scores4 = _apply_score_mod(call, scores4, [b], h, range(t0, t1), cols)
-        if mask is None:
-            pass
-        elif mask.dtype == bool:  # replaced, not added: a score_mod's NaN there is hidden
-            np.copyto(scores4, call.dtype.type(-np.inf), where=mask)
-        else:
-            np.add(scores4, mask, out=scores4)
-        return scores4
+            scores = _apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols)
+        for (c0, c1), mask in zip(piece.partial, masks):
+            run = scores[..., c0:c1]
+            if mask.dtype == bool:  # replaced, not added: a score_mod's NaN there is hidden
+                np.copyto(run, call.dtype.type(-np.inf), where=mask)
+            else:
+                np.add(run, mask, out=run)
+        return scores
 
 
 def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> None:
