@@ -24,6 +24,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from jupyter_cache import get_cache
+
 KEEP_OLD_CACHES = 2  # besides the current one, so that switching back and forth stays cheap
 
 
@@ -74,6 +76,9 @@ def key_execution_cache(app, config) -> None:
             shutil.rmtree(stale, ignore_errors=True)
     current.mkdir(parents=True, exist_ok=True)
     os.utime(current)
+    # The cache's database is created here, once: the processes of a parallel build that
+    # execute their first pages at the same moment would otherwise race to create its tables.
+    get_cache(current).list_cache_records()
 
 
 def setup(app):

@@ -378,17 +378,11 @@ def _units(tiling: _Tiling) -> list[tuple[int, int, int, int, int]]:
 
 @dataclass(frozen=True)
 class _Piece:
-    """The keys of one product: where they come from and which of them need ``mask_mod``.
+    """The keys of one product: where they come from and which of them need ``mask_mod``."""
 
-    The same for every batch entry and head whose row of the block mask is the same, so a
-    worker computes it once for all of them.
-    """
-
-    key: tuple  # what identifies it: the row of the block mask and its first block
     spans: tuple[tuple[int, int], ...]  # key ranges s0:s1 of runs of consecutive blocks
     cols: np.ndarray  # (keys,) the key positions, in order
     partial: tuple[tuple[int, int], ...]  # column ranges c0:c1 of the piece in partial blocks
-    n_partial: int  # partial blocks
 
     @functools.cached_property
     def runs(self) -> list[tuple[int, int, int | None]]:
@@ -405,8 +399,8 @@ class _Piece:
         return tiles
 
     @classmethod
-    def of(cls, key: tuple, blocks: list[int], kinds: list[int], block_kv: int, S: int) -> _Piece:
-        spans, partial, n_partial, offset = [], [], 0, 0
+    def of(cls, blocks: list[int], kinds: list[int], block_kv: int, S: int) -> _Piece:
+        spans, partial, offset = [], [], 0
         for n, kind in zip(blocks, kinds):
             s0, s1 = n * block_kv, min(S, (n + 1) * block_kv)
             if spans and spans[-1][1] == s0:  # the next block of a run: one view for both
@@ -414,14 +408,13 @@ class _Piece:
             else:
                 spans.append((s0, s1))
             if kind == PARTIAL:
-                n_partial += 1
                 if partial and partial[-1][1] == offset:
                     partial[-1] = (partial[-1][0], offset + s1 - s0)
                 else:
                     partial.append((offset, offset + s1 - s0))
             offset += s1 - s0
         cols = np.concatenate([np.arange(s0, s1) for s0, s1 in spans])
-        return cls(key, tuple(spans), cols, tuple(partial), n_partial)
+        return cls(tuple(spans), cols, tuple(partial))
 
     def gather(self, x: np.ndarray) -> np.ndarray:
         """The piece's rows of ``x`` ``(S, D)``: a view for one run of blocks, else a copy."""
@@ -440,25 +433,29 @@ class _Softmax:
     disallowed entries are ``-inf``, take ``exp(x ln 2)`` instead.
     """
 
-    def __init__(self, exp: Callable):
+    def __init__(self, exp: Callable, finite: bool):
         self.exp = exp
+        self.finite = finite  # every row has a finite score: no -inf maximum, l >= 1
         self.m = None  # running maximum, (rows,)
         self.shift = None  # what l and acc are relative to: m, or 0 where m = -inf
         self.l = None  # running normaliser, (rows,)
         self.acc = None  # sum of exp(score - shift) v, (rows, Dv)
 
-    def add(self, tile: np.ndarray, value: np.ndarray, runs: list):
+    def add(self, tile: np.ndarray, value: np.ndarray, piece: _Piece):
         """Fold in a piece: its scores ``(1, heads, Bq, keys)`` (overwritten), with disallowed
-        entries at ``-inf`` in the partial ``runs`` ``(c0, c1, i)`` (``i`` None for full
-        ones), and its values ``(keys, Dv)``."""
+        entries at ``-inf`` in the columns of its partial blocks, and its values ``(keys, Dv)``."""
         s = tile.reshape(-1, tile.shape[-1])  # (rows, keys) view
         m = s.max(axis=1)  # NaN stays NaN
         if self.m is not None:
             m = np.maximum(self.m, m)
-        shift = np.where(np.isneginf(m), 0, m).astype(s.dtype, copy=False)
-        with np.errstate(invalid="ignore"):  # inf - inf: a score_mod's +inf gives NaN
+        if self.finite:
+            shift = m
             np.subtract(s, shift[:, None], out=s)
-        self.exponential(s, runs)  # every exponent <= 0
+        else:  # a row with no score yet keeps the shift 0
+            shift = np.where(np.isneginf(m), 0, m).astype(s.dtype, copy=False)
+            with np.errstate(invalid="ignore"):  # inf - inf: a score_mod's +inf gives NaN
+                np.subtract(s, shift[:, None], out=s)
+        self.exponential(s, piece)  # every exponent <= 0
         l_piece = s.sum(axis=1)
         acc_piece = s @ value  # (rows, keys) @ (keys, Dv) -> (rows, Dv)
         if self.m is None:
@@ -470,12 +467,12 @@ class _Softmax:
             self.acc = self.acc * alpha[:, None] + acc_piece
         self.m, self.shift = m, shift
 
-    def exponential(self, s: np.ndarray, runs: list) -> None:
-        """``exp`` of ``s`` in place; in base 2, ``exp(x ln 2)`` on the columns of partial runs."""
-        if self.exp is not np.exp2 or all(i is None for *_, i in runs):
+    def exponential(self, s: np.ndarray, piece: _Piece) -> None:
+        """``exp`` of ``s`` in place; in base 2, ``exp(x ln 2)`` on the columns of partial blocks."""
+        if self.exp is not np.exp2 or not piece.partial:
             self.exp(s, out=s)
             return
-        for c0, c1, i in runs:
+        for c0, c1, i in piece.runs:
             run = s[:, c0:c1]
             if i is None:
                 np.exp2(run, out=run)
@@ -486,10 +483,14 @@ class _Softmax:
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """``(out, lse)``: ``acc / l`` and ``shift + log l`` in natural units; 0 and -inf where
         ``l = 0``."""
+        shift = self.shift * self.shift.dtype.type(LN2) if self.exp is np.exp2 else self.shift
+        if self.finite:  # l >= 1: the largest score adds exp(0)
+            lse = np.log(self.l)
+            lse += shift
+            return self.acc / self.l[:, None], lse
         empty = self.l == 0  # NaN is not empty: it stays NaN
         l = np.where(empty, 1, self.l)
         out = self.acc / l[:, None]
-        shift = self.shift * self.shift.dtype.type(LN2) if self.exp is np.exp2 else self.shift
         with np.errstate(invalid="ignore"):
             lse = shift + np.log(l)
         if empty.any():
@@ -498,13 +499,25 @@ class _Softmax:
         return out, lse
 
 
+@dataclass(frozen=True)
+class _RowPlan:
+    """What the units of one row of the block mask do (the row of a batch entry, a head and a
+    query block): its pieces, each with the masks of its runs of partial blocks."""
+
+    blocks: int  # blocks in the row
+    computed: int  # non-empty ones
+    partial: int  # partial ones
+    pieces: tuple[tuple[_Piece, list], ...]
+    finite: bool  # every query row has a finite score: no score_mod, and a full block
+
+
 class _Worker:
-    """One thread: its counts, and what it keeps between units.
+    """One thread: its counts, and the plans of the rows of the block mask it has met.
 
     Units whose rows of the block mask are equal (the heads and batch entries of a mask
-    created with None, the same query block) share their pieces and their partial blocks'
-    masks: a worker computes each once and keeps the last ``CACHE_SIZE`` of them. What a unit
-    computes does not depend on what the worker kept, so the bits do not either.
+    created with None, the same query block) share a plan: a worker makes each once and keeps
+    the last ``CACHE_SIZE``. What a unit computes does not depend on what the worker kept, so
+    the bits do not either.
     """
 
     CACHE_SIZE = 256
@@ -512,8 +525,7 @@ class _Worker:
     def __init__(self, tiling: _Tiling):
         self.tiling = tiling
         self.stats = FlexStats()
-        self.pieces: dict = {}
-        self.masks: dict = {}
+        self.plans: dict = {}
 
     def drain(self, units: list, counter, failed: list) -> None:
         """Take units from the shared list until it is empty, or another worker failed."""
@@ -530,88 +542,84 @@ class _Worker:
     def run(self, b: int, hk: int, g0: int, g1: int, m: int) -> None:
         """Attention of the query block ``m`` of the heads ``g0:g1`` of key head ``hk``."""
         tiling, stats = self.tiling, self.stats
-        call, kinds = tiling.call, tiling.kinds
+        call = tiling.call
         G, heads = call.G, g1 - g0
         t0, t1 = m * tiling.block_q, min(call.problem.T, (m + 1) * tiling.block_q)
-        mask_b = b if kinds.shape[0] > 1 else 0
-        mask_h = hk * G + g0 if tiling.per_head else 0
-        row = kinds[mask_b, mask_h, m]  # (n_kv,): what each key block holds
-        blocks = np.flatnonzero(row)
-        stats.units += 1
-        if call.block_mask is not None:
-            stats.computed += heads * blocks.size
-            stats.skipped += heads * (row.size - blocks.size)
-        if blocks.size == 0:
-            return  # out 0 and lse -inf, as set up
         h = range(hk * G + g0, hk * G + g1)
+        plan = self.plan(b, h, m, t0, t1)
+        stats.units += 1
+        stats.tiles += len(plan.pieces)
+        if call.block_mask is not None:
+            stats.computed += heads * plan.computed
+            stats.skipped += heads * (plan.blocks - plan.computed)
+            stats.masked += heads * plan.partial
+        if not plan.pieces:
+            return  # out 0 and lse -inf, as set up
         with overflow_checked(call.problem):  # scaled here, in the worker threads
             q_tile = call.query[b, hk, g0:g1, t0:t1] * tiling.factor  # (heads, Bq, Dk)
         q_tile = q_tile.reshape(heads * (t1 - t0), -1)
         key, value = call.key[b, hk, 0], call.value[b, hk, 0]  # (S, Dk), (S, Dv)
-        softmax = _Softmax(tiling.exp)
-        per_piece = max(1, tiling.block_k // tiling.block_kv)
-        for first in range(0, blocks.size, per_piece):
-            piece = self.piece(row, blocks[first : first + per_piece])
-            masks = self.disallowed(piece, (mask_b, mask_h, m, piece.key), h, t0, t1)
-            self.add_piece(softmax, piece, masks, q_tile, key, value, (b, h, t0, t1))
+        softmax = _Softmax(tiling.exp, plan.finite)
+        for piece, masks in plan.pieces:
+            scores = self.scores(q_tile, piece.gather(key), piece, masks, (b, h, t0, t1))
+            softmax.add(scores, piece.gather(value), piece)
         out, lse = softmax.result()
         tiling.out[b, hk, g0:g1, t0:t1] = out.reshape(heads, t1 - t0, -1)
         tiling.lse[b, hk, g0:g1, t0:t1] = lse.reshape(heads, t1 - t0)
 
-    def add_piece(self, softmax, piece: _Piece, masks: list, q_tile, key, value, where) -> None:
-        """One piece into the unit's softmax: one product, masked on its partial runs and
-        modified; ``where`` is ``(b, h, t0, t1)``."""
-        self.stats.tiles += 1
-        if self.tiling.call.block_mask is not None:
-            self.stats.masked += len(where[1]) * piece.n_partial
-        runs = piece.runs
-        scores = self.scores(q_tile, piece.gather(key), piece, runs, masks, where)
-        softmax.add(scores, piece.gather(value), runs)
+    def plan(self, b: int, h: range, m: int, t0: int, t1: int) -> _RowPlan:
+        """The plan of the query block ``m`` of batch entry ``b`` and heads ``h`` (kept)."""
+        kinds = self.tiling.kinds
+        mask_b = b if kinds.shape[0] > 1 else 0
+        mask_h = h.start if self.tiling.per_head else 0
+        key = (mask_b, mask_h, m)
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) >= self.CACHE_SIZE:
+                self.plans.clear()
+            plan = self.plans[key] = self.make_plan(key, t0, t1)
+        return plan
 
-    def cached(self, cache: dict, key, make: Callable):
-        """``cache[key]``, made by ``make()`` when missing (the cache emptied when full)."""
-        value = cache.get(key)
-        if value is None:
-            if len(cache) >= self.CACHE_SIZE:
-                cache.clear()
-            value = cache[key] = make()
-        return value
-
-    def piece(self, row: np.ndarray, blocks: np.ndarray) -> _Piece:
-        """The piece of the key ``blocks`` of a query block whose kinds are ``row``."""
-        S, block_kv = self.tiling.call.problem.S, self.tiling.block_kv
-        key = (row.tobytes(), int(blocks[0]))
-        return self.cached(
-            self.pieces,
-            key,
-            lambda: _Piece.of(key, blocks.tolist(), row[blocks].tolist(), block_kv, S),
+    def make_plan(self, key: tuple[int, int, int], t0: int, t1: int) -> _RowPlan:
+        tiling = self.tiling
+        row = tiling.kinds[key]  # (n_kv,): what each key block holds
+        blocks = np.flatnonzero(row)
+        per_piece = max(1, tiling.block_k // tiling.block_kv)
+        pieces = []
+        for first in range(0, blocks.size, per_piece):
+            chunk = blocks[first : first + per_piece]
+            piece = _Piece.of(
+                chunk.tolist(), row[chunk].tolist(), tiling.block_kv, tiling.call.problem.S
+            )
+            pieces.append((piece, self.disallowed(piece, key, t0, t1)))
+        return _RowPlan(
+            blocks=row.size,
+            computed=blocks.size,
+            partial=int(np.count_nonzero(row == PARTIAL)),
+            pieces=tuple(pieces),
+            finite=tiling.call.score_mod is None and bool(np.any(row == FULL)),
         )
 
-    def disallowed(self, piece: _Piece, key: tuple, h: range, t0: int, t1: int) -> list:
+    def disallowed(self, piece: _Piece, key: tuple, t0: int, t1: int) -> list:
         """The mask of each run ``c0:c1`` of partial blocks of the piece, broadcastable to
         ``(1, heads, t1 - t0, c1 - c0)``: ``~mask_mod`` (True = disallowed), or in base 2 a
         bias of 0 and ``-inf``, which one addition applies (the scores are finite there)."""
         tiling = self.tiling
         bm = tiling.call.block_mask
-        if bm is None or not piece.partial:
+        if bm is None:
             return []
-        mask_b, mask_h = key[0], (h if tiling.per_head else [0])
         dtype = tiling.call.dtype
+        masks = []
+        for c0, c1 in piece.partial:
+            rows, cols = range(t0, t1), piece.cols[c0:c1]
+            allowed = evaluate_mask_mod(bm.mask_mod, [key[0]], [key[1]], rows, cols)
+            if tiling.exp is np.exp2:
+                masks.append(np.where(allowed, dtype.type(0), dtype.type(-np.inf)))
+            else:
+                masks.append(~allowed)
+        return masks
 
-        def evaluate():
-            masks = []
-            for c0, c1 in piece.partial:
-                rows, cols = range(t0, t1), piece.cols[c0:c1]
-                allowed = evaluate_mask_mod(bm.mask_mod, [mask_b], mask_h, rows, cols)
-                if tiling.exp is np.exp2:
-                    masks.append(np.where(allowed, dtype.type(0), dtype.type(-np.inf)))
-                else:
-                    masks.append(~allowed)
-            return masks
-
-        return self.cached(self.masks, key, evaluate)
-
-    def scores(self, q_tile, keys, piece: _Piece, runs: list, masks: list, where) -> np.ndarray:
+    def scores(self, q_tile, keys, piece: _Piece, masks: list, where) -> np.ndarray:
         """A piece's masked, modified scores ``(1, heads, t1 - t0, keys)``: ``keys`` ``(keys,
         Dk)`` are its gathered keys; ``masks[i]`` masks the columns of the partial run ``i``."""
         call = self.tiling.call
@@ -621,7 +629,7 @@ class _Worker:
             scores = q_tile @ keys.T  # (heads * Bq, Dk) @ (Dk, keys) -> (heads * Bq, keys)
         scores = scores.reshape(1, len(h), t1 - t0, -1)
         if problem.may_overflow:  # then the scores are in base e: a mask is ~mask_mod
-            for c0, c1, i in runs:
+            for c0, c1, i in piece.runs:
                 allowed = None if i is None else ~masks[i]
                 check_overflow(problem, scores[..., c0:c1], allowed, None)
         if call.score_mod is not None:
