@@ -497,18 +497,20 @@ def test_the_tiled_path_never_calls_a_mod_on_an_empty_block(rng, mask_mod, block
     assert stats.skipped == B * np.count_nonzero(kinds == 0)
 
 
-def test_stats_of_a_causal_mask(rng):
+@pytest.mark.parametrize("mask_heads", [None, 2])
+def test_stats_of_a_causal_mask(rng, mask_heads):
     # 8 x 8 blocks of 16: 36 computed (8 partial, on the diagonal), 28 skipped, per head.
     q = normal(rng, 1, 2, 128, 4)
-    mask = create_block_mask(_causal, None, None, 128, 128, BLOCK_SIZE=16)
+    mask = create_block_mask(_causal, None, mask_heads, 128, 128, BLOCK_SIZE=16)
     stats = FlexStats()
     flex_attention_tiled(q, q, q, block_mask=mask, block_k=48, stats=stats)
     assert (stats.computed, stats.masked, stats.skipped) == (2 * 36, 2 * 8, 2 * 28)
-    assert stats.units == 2 * 8
     # block_k = 48 keys: pieces of 3 blocks, so query block m (m + 1 blocks) takes
     # ceil((m + 1) / 3) pieces, one product each (the partial diagonal block in its last)
     pieces = [-(-(m + 1) // 3) for m in range(8)]
-    assert stats.tiles == 2 * sum(pieces)
+    # a unit per head and query block: 16 of them, no more than MIN_UNITS, so none takes two
+    # heads even where the mask is the same for both
+    assert (stats.units, stats.tiles) == (2 * 8, 2 * sum(pieces))
     assert stats.skipped / (stats.computed + stats.skipped) == mask.sparsity() / 100
 
 
@@ -581,10 +583,34 @@ def test_auto_tiles_large_problems(rng):
     mask = create_block_mask(_causal, None, None, 1024, 1024)
     flex_attention(q, q, q, spy, mask)
     # per head and block of 128 query rows m: one product of the m + 1 blocks up to and
-    # including the diagonal, (m + 1) * 128 keys
+    # including the diagonal, (m + 1) * 128 keys (2 heads x 8 blocks: a unit each)
     widths = sorted(shape[-1] for shape in spy.shapes)
     assert widths == sorted(2 * [128 * (m + 1) for m in range(8)])
     assert {shape[:3] for shape in spy.shapes} == {(1, 1, 128)}
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_a_unit_takes_several_heads_when_the_mask_is_the_same_for_all(rng, gqa):
+    # 8 query heads (4 key heads under GQA), 4 query blocks of 128: 32 (16) units of one key
+    # head; sdpa.flex.MIN_UNITS = 16 lets a unit take 2 key heads (1 under GQA), within the
+    # UNIT_SCORES of even the longest row
+    Hkv = 4 if gqa else 8
+    q = normal(rng, 1, 8, 512, 8, dtype=np.float32)
+    k, v = normal(rng, 1, Hkv, 512, 8, dtype=np.float32), normal(rng, 1, Hkv, 512, 4)
+    k, v = k.astype(np.float32), v.astype(np.float32)
+    shared = create_block_mask(_causal, None, None, 512, 512)
+    per_head = create_block_mask(_causal, None, 8, 512, 512)  # the same mask, head by head
+    spy, stats = ShapeSpy(), FlexStats()
+    folded = flex_attention_tiled(q, k, v, spy, shared, enable_gqa=gqa, stats=stats)
+    assert stats.units == 16
+    # 2 query heads per unit: of 2 key heads, or (GQA) of the key head they share
+    assert {shape[:3] for shape in spy.shapes} == {(1, 2, 128)}
+    alone = flex_attention_tiled(q, k, v, spy, per_head, enable_gqa=gqa)
+    np.testing.assert_array_equal(folded, alone)
+    expected = sdpa.scaled_dot_product_attention(
+        q.astype(np.float64), k, v, is_causal=True, enable_gqa=gqa
+    )
+    np.testing.assert_allclose(folded, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_keeps_many_small_heads_on_the_reference_path(rng):

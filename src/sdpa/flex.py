@@ -98,6 +98,16 @@ BLOCK_K = 4096
 MIN_TILED_SCORES = 1 << 19
 MIN_UNIT_SCORES = 1 << 14
 
+# A unit takes the same query block of several key heads when the mask does not depend on the
+# head: up to UNIT_SCORES scores, and never so many heads that the call has fewer than MIN_UNITS
+# units (to share among threads). Every unit costs tens to hundreds of microseconds of Python,
+# during which another worker thread waits whenever it needs the GIL too. At T = S = 4096, 8
+# heads of width 64, float32, two threads (2-core Xeon, Sapphire Rapids), units of all 8 heads
+# took 245 ms without a mask and 143 ms with a causal block mask, against 270 and 170 ms with a
+# unit per head (and 2**20 or 2**21 scores: in between); on one thread, within 4 % either way.
+UNIT_SCORES = 1 << 22  # 8 query blocks of 128 rows by 4096 keys: 16 MiB of float32
+MIN_UNITS = 16
+
 
 @dataclass
 class FlexStats:
@@ -111,7 +121,8 @@ class FlexStats:
     Attributes
     ----------
     units : int
-        Work units: one block of query rows of one head, or of the heads that share a key head.
+        Work units: one block of query rows of one head, of the heads that share a key head,
+        or (when the mask does not depend on the head) of several key heads.
     tiles : int
         Matrix products of a unit's queries with its gathered keys: one per piece of at most
         ``block_k`` keys.
@@ -351,9 +362,13 @@ def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
     )
 
 
-def _units(tiling: _Tiling) -> list[tuple[int, int, int, int, int]]:
-    """``(b, kv_head, g0, g1, query_block)`` of every unit: head after head, and the query
-    blocks of a head the costliest first.
+def _units(tiling: _Tiling) -> list[tuple[int, int, int, int, int, int]]:
+    """``(b, hk0, hk1, g0, g1, query_block)`` of every unit: the query heads ``g0:g1`` of the
+    key heads ``hk0:hk1``; head after head, and the query blocks of a head the costliest first.
+
+    A unit holds one key head, unless the mask does not depend on the head: then it holds as
+    many key heads as keep its scores within ``UNIT_SCORES`` and the call's units at least
+    ``MIN_UNITS`` (the fold depends on the shapes and the mask only, not on the threads).
 
     Head after head keeps a head's keys and values in the cache from one unit to the next
     (under a causal mask each unit reads a prefix of the previous one's). Ordered by cost
@@ -363,16 +378,23 @@ def _units(tiling: _Tiling) -> list[tuple[int, int, int, int, int]]:
     so the last units of the call are short.
     """
     call, kinds = tiling.call, tiling.kinds
-    heads = [(g, g + 1) for g in range(call.G)] if tiling.per_head else [(0, call.G)]
     nonempty = np.count_nonzero(kinds, axis=-1)  # (1 or B, 1 or Hq, n_q)
     units = []
-    for b, hk, (g0, g1), m in itertools.product(
-        range(call.B), range(call.Hkv), heads, range(kinds.shape[2])
-    ):
-        bm_b = b if kinds.shape[0] > 1 else 0
-        bm_h = hk * call.G + g0 if tiling.per_head else 0
-        units.append((int(nonempty[bm_b, bm_h, m]), (b, hk, g0, g1, m)))
-    units.sort(key=lambda u: (u[1][:3], -u[0]))  # by head (b, kv_head, g0), then cost
+    if tiling.per_head:
+        for b, hk, g, m in itertools.product(
+            range(call.B), range(call.Hkv), range(call.G), range(kinds.shape[2])
+        ):
+            cost = int(nonempty[b if kinds.shape[0] > 1 else 0, hk * call.G + g, m])
+            units.append((cost, (b, hk, hk + 1, g, g + 1, m)))
+    else:
+        most = max(1, call.B * call.Hkv * kinds.shape[2] // MIN_UNITS)  # key heads per unit
+        for b, m in itertools.product(range(call.B), range(kinds.shape[2])):
+            cost = int(nonempty[b if kinds.shape[0] > 1 else 0, 0, m])
+            scores = max(1, cost * tiling.block_kv * call.G * tiling.block_q)  # per key head
+            fold = max(1, min(call.Hkv, most, UNIT_SCORES // scores))
+            for hk in range(0, call.Hkv, fold):
+                units.append((cost, (b, hk, min(call.Hkv, hk + fold), 0, call.G, m)))
+    units.sort(key=lambda u: (u[1][0], u[1][1], u[1][3], -u[0]))  # by (b, hk0, g0), then cost
     return [u[1] for u in units]
 
 
@@ -416,12 +438,17 @@ class _Piece:
         cols = np.concatenate([np.arange(s0, s1) for s0, s1 in spans])
         return cls(tuple(spans), cols, tuple(partial))
 
+    @functools.cached_property
+    def has_full(self) -> bool:
+        """Whether a full block is among its keys (then every query row has a score in it)."""
+        return sum(c1 - c0 for c0, c1 in self.partial) < self.cols.size
+
     def gather(self, x: np.ndarray) -> np.ndarray:
-        """The piece's rows of ``x`` ``(S, D)``: a view for one run of blocks, else a copy."""
+        """The piece's rows of ``x`` ``(..., S, D)``: a view for one run of blocks, else a copy."""
         if len(self.spans) == 1:
             ((s0, s1),) = self.spans
-            return x[s0:s1]
-        return np.concatenate([x[s0:s1] for s0, s1 in self.spans])
+            return x[..., s0:s1, :]
+        return np.concatenate([x[..., s0:s1, :] for s0, s1 in self.spans], axis=-2)
 
 
 class _Softmax:
@@ -433,9 +460,10 @@ class _Softmax:
     disallowed entries are ``-inf``, take ``exp(x ln 2)`` instead.
     """
 
-    def __init__(self, exp: Callable, finite: bool):
+    def __init__(self, exp: Callable, modified: bool):
         self.exp = exp
-        self.finite = finite  # every row has a finite score: no -inf maximum, l >= 1
+        self.modified = modified  # a score_mod made the scores: any of them may be +-inf
+        self.finite = False  # every row has had a finite score: m is finite, and then l >= 1
         self.m = None  # running maximum, (rows,)
         self.shift = None  # what l and acc are relative to: m, or 0 where m = -inf
         self.l = None  # running normaliser, (rows,)
@@ -443,11 +471,13 @@ class _Softmax:
 
     def add(self, tile: np.ndarray, value: np.ndarray, piece: _Piece):
         """Fold in a piece: its scores ``(1, heads, Bq, keys)`` (overwritten), with disallowed
-        entries at ``-inf`` in the columns of its partial blocks, and its values ``(keys, Dv)``."""
+        entries at ``-inf`` in the columns of its partial blocks, and its values ``(n, keys,
+        Dv)`` (of the unit's ``n`` key heads, each for ``heads / n`` query heads)."""
         s = tile.reshape(-1, tile.shape[-1])  # (rows, keys) view
         m = s.max(axis=1)  # NaN stays NaN
         if self.m is not None:
             m = np.maximum(self.m, m)
+        self.finite = self.finite or (piece.has_full and not self.modified)
         if self.finite:
             shift = m
             np.subtract(s, shift[:, None], out=s)
@@ -457,7 +487,8 @@ class _Softmax:
                 np.subtract(s, shift[:, None], out=s)
         self.exponential(s, piece)  # every exponent <= 0
         l_piece = s.sum(axis=1)
-        acc_piece = s @ value  # (rows, keys) @ (keys, Dv) -> (rows, Dv)
+        # (n, rows / n, keys) @ (n, keys, Dv) -> (n, rows / n, Dv): n key heads, (rows, Dv)
+        acc_piece = (s.reshape(value.shape[0], -1, s.shape[1]) @ value).reshape(s.shape[0], -1)
         if self.m is None:
             self.l, self.acc = l_piece, acc_piece
         else:
@@ -508,7 +539,6 @@ class _RowPlan:
     computed: int  # non-empty ones
     partial: int  # partial ones
     pieces: tuple[tuple[_Piece, list], ...]
-    finite: bool  # every query row has a finite score: no score_mod, and a full block
 
 
 class _Worker:
@@ -539,13 +569,14 @@ class _Worker:
             failed.append(True)
             raise
 
-    def run(self, b: int, hk: int, g0: int, g1: int, m: int) -> None:
-        """Attention of the query block ``m`` of the heads ``g0:g1`` of key head ``hk``."""
+    def run(self, b: int, hk0: int, hk1: int, g0: int, g1: int, m: int) -> None:
+        """Attention of the query block ``m`` of the query heads ``g0:g1`` of the key heads
+        ``hk0:hk1`` (all of their query heads when there are several)."""
         tiling, stats = self.tiling, self.stats
         call = tiling.call
-        G, heads = call.G, g1 - g0
+        G, heads = call.G, (hk1 - hk0) * (g1 - g0)
         t0, t1 = m * tiling.block_q, min(call.problem.T, (m + 1) * tiling.block_q)
-        h = range(hk * G + g0, hk * G + g1)
+        h = range(hk0 * G + g0, hk0 * G + g0 + heads)  # query heads, in order
         plan = self.plan(b, h, m, t0, t1)
         stats.units += 1
         stats.tiles += len(plan.pieces)
@@ -556,16 +587,17 @@ class _Worker:
         if not plan.pieces:
             return  # out 0 and lse -inf, as set up
         with overflow_checked(call.problem):  # scaled here, in the worker threads
-            q_tile = call.query[b, hk, g0:g1, t0:t1] * tiling.factor  # (heads, Bq, Dk)
-        q_tile = q_tile.reshape(heads * (t1 - t0), -1)
-        key, value = call.key[b, hk, 0], call.value[b, hk, 0]  # (S, Dk), (S, Dv)
-        softmax = _Softmax(tiling.exp, plan.finite)
+            q_tile = call.query[b, hk0:hk1, g0:g1, t0:t1] * tiling.factor  # (n, G', Bq, Dk)
+        q_tile = q_tile.reshape(hk1 - hk0, -1, q_tile.shape[-1])  # (n, G' Bq, Dk)
+        key, value = call.key[b, hk0:hk1, 0], call.value[b, hk0:hk1, 0]  # (n, S, Dk), (n, S, Dv)
+        softmax = _Softmax(tiling.exp, modified=call.score_mod is not None)
         for piece, masks in plan.pieces:
             scores = self.scores(q_tile, piece.gather(key), piece, masks, (b, h, t0, t1))
             softmax.add(scores, piece.gather(value), piece)
         out, lse = softmax.result()
-        tiling.out[b, hk, g0:g1, t0:t1] = out.reshape(heads, t1 - t0, -1)
-        tiling.lse[b, hk, g0:g1, t0:t1] = lse.reshape(heads, t1 - t0)
+        shape = (hk1 - hk0, g1 - g0, t1 - t0)
+        tiling.out[b, hk0:hk1, g0:g1, t0:t1] = out.reshape(*shape, -1)
+        tiling.lse[b, hk0:hk1, g0:g1, t0:t1] = lse.reshape(shape)
 
     def plan(self, b: int, h: range, m: int, t0: int, t1: int) -> _RowPlan:
         """The plan of the query block ``m`` of batch entry ``b`` and heads ``h`` (kept)."""
@@ -597,7 +629,6 @@ class _Worker:
             computed=blocks.size,
             partial=int(np.count_nonzero(row == PARTIAL)),
             pieces=tuple(pieces),
-            finite=tiling.call.score_mod is None and bool(np.any(row == FULL)),
         )
 
     def disallowed(self, piece: _Piece, key: tuple, t0: int, t1: int) -> list:
@@ -620,13 +651,15 @@ class _Worker:
         return masks
 
     def scores(self, q_tile, keys, piece: _Piece, masks: list, where) -> np.ndarray:
-        """A piece's masked, modified scores ``(1, heads, t1 - t0, keys)``: ``keys`` ``(keys,
-        Dk)`` are its gathered keys; ``masks[i]`` masks the columns of the partial run ``i``."""
+        """A piece's masked, modified scores ``(1, heads, t1 - t0, keys)``: ``q_tile`` ``(n,
+        G' Bq, Dk)`` holds the queries of ``n`` key heads, ``keys`` ``(n, keys, Dk)`` their
+        gathered keys; ``masks[i]`` masks the columns of the partial run ``i``."""
         call = self.tiling.call
         problem = call.problem
         b, h, t0, t1 = where
         with overflow_checked(problem):
-            scores = q_tile @ keys.T  # (heads * Bq, Dk) @ (Dk, keys) -> (heads * Bq, keys)
+            # (n, G' Bq, Dk) @ (n, Dk, keys) -> (n, G' Bq, keys)
+            scores = q_tile @ np.swapaxes(keys, -1, -2)
         scores = scores.reshape(1, len(h), t1 - t0, -1)
         if problem.may_overflow:  # then the scores are in base e: a mask is ~mask_mod
             for c0, c1, i in piece.runs:
