@@ -14,8 +14,9 @@ expression modifies a whole block of them at once.
 
 Two paths give the same result to rounding. The **reference** path is the formula as written:
 the whole ``(B, Hq, T, S)`` score matrix, ``score_mod`` on all of it, the mask, a softmax. The
-**tiled** path works on one block of query rows at a time (the mask's query block, with the
-query heads that share a key head folded in when the mask does not depend on the head):
+**tiled** path works on one block of query rows at a time (the mask's query block; when the
+mask does not depend on the head, of the query heads that share a key head, and of several key
+heads at once, as many as ``UNIT_SCORES`` and ``MIN_UNITS`` allow):
 
 1. gather the key blocks the block mask marks non-empty, skipping the empty ones entirely:
    no product, no ``score_mod``, no ``mask_mod`` on their entries;
