@@ -59,8 +59,9 @@ node_modules: $(NODE_STAMP) ## install MathJax for the book from package-lock.js
 # The reader's tests rebuild the book from the source archive in a fresh folder, and run every
 # page's notebook in a fresh environment (minutes of page execution, mostly one core): they run
 # beside the other tests, their output shown when both are done; either failing fails the run.
-# (Three streams, one per reader test, were slower on two cores than two.)
-READER_TESTS := tests/test_source_archive.py tests/test_notebooks.py
+# (Three streams, one per reader test, were slower on two cores than two.) The widgets' browser
+# test joins them: the other stream, with the crawl of every page, was the longer by 150 s.
+READER_TESTS := tests/test_source_archive.py tests/test_notebooks.py tests/test_site_widgets.py
 test: $(STAMP) lint html-force ## run every test: lint, unit, doctests, README, book build and browser
 	@$(VPY) -m pytest -p no:cacheprovider $(READER_TESTS) $(PYTEST_ARGS) > $(BUILDDIR)/reader-tests.log 2>&1 & reader=$$!; \
 	$(VPY) -m pytest $(foreach t,$(READER_TESTS),--ignore=$(t)) $(PYTEST_ARGS); status=$$?; \
