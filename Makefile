@@ -61,12 +61,12 @@ node_modules: $(NODE_STAMP) ## install MathJax for the book from package-lock.js
 # beside the other tests, their output shown when both are done; either failing fails the run.
 # (Three streams, one per reader test, were slower on two cores than two.) The widgets' browser
 # test joins them: the other stream, with the crawl of every page, was the longer by 150 s.
-READER_TESTS := tests/test_source_archive.py tests/test_notebooks.py tests/test_site_widgets.py
+BESIDE_TESTS := tests/test_source_archive.py tests/test_notebooks.py tests/test_site_widgets.py
 test: $(STAMP) lint html-force ## run every test: lint, unit, doctests, README, book build and browser
-	@$(VPY) -m pytest -p no:cacheprovider $(READER_TESTS) $(PYTEST_ARGS) > $(BUILDDIR)/reader-tests.log 2>&1 & reader=$$!; \
-	$(VPY) -m pytest $(foreach t,$(READER_TESTS),--ignore=$(t)) $(PYTEST_ARGS); status=$$?; \
-	wait $$reader || status=1; \
-	echo "== $(READER_TESTS) (run beside the others) =="; cat $(BUILDDIR)/reader-tests.log; \
+	@$(VPY) -m pytest -p no:cacheprovider $(BESIDE_TESTS) $(PYTEST_ARGS) > $(BUILDDIR)/beside-tests.log 2>&1 & beside=$$!; \
+	$(VPY) -m pytest $(foreach t,$(BESIDE_TESTS),--ignore=$(t)) $(PYTEST_ARGS); status=$$?; \
+	wait $$beside || status=1; \
+	echo "== $(BESIDE_TESTS) (run beside the others) =="; cat $(BUILDDIR)/beside-tests.log; \
 	exit $$status
 
 unit: $(STAMP) ## run the unit tests and doctests only (no book build, no browser)

@@ -596,8 +596,10 @@ def test_a_unit_takes_several_heads_when_the_mask_is_the_same_for_all(rng, gqa):
     # UNIT_SCORES of even the longest row
     Hkv = 4 if gqa else 8
     q = normal(rng, 1, 8, 512, 8, dtype=np.float32)
-    k, v = normal(rng, 1, Hkv, 512, 8, dtype=np.float32), normal(rng, 1, Hkv, 512, 4)
-    k, v = k.astype(np.float32), v.astype(np.float32)
+    k, v = (
+        normal(rng, 1, Hkv, 512, 8, dtype=np.float32),
+        normal(rng, 1, Hkv, 512, 4, dtype=np.float32),
+    )
     shared = create_block_mask(_causal, None, None, 512, 512)
     per_head = create_block_mask(_causal, None, 8, 512, 512)  # the same mask, head by head
     spy, stats = ShapeSpy(), FlexStats()

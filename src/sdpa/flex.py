@@ -332,6 +332,10 @@ class _Tiling:
     out: np.ndarray  # (B, Hkv, G, T, Dv), written by the units
     lse: np.ndarray  # (B, Hkv, G, T)
 
+    def mask_row(self, b: int, h: int, m: int) -> tuple[int, int, int]:
+        """Where batch entry ``b``, query head ``h`` and query block ``m`` read ``kinds``."""
+        return (b if self.kinds.shape[0] > 1 else 0, h if self.per_head else 0, m)
+
 
 def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
     problem, bm = call.problem, call.block_mask
@@ -385,12 +389,12 @@ def _units(tiling: _Tiling) -> list[tuple[int, int, int, int, int, int]]:
         for b, hk, g, m in itertools.product(
             range(call.B), range(call.Hkv), range(call.G), range(kinds.shape[2])
         ):
-            cost = int(nonempty[b if kinds.shape[0] > 1 else 0, hk * call.G + g, m])
+            cost = int(nonempty[tiling.mask_row(b, hk * call.G + g, m)])
             units.append((cost, (b, hk, hk + 1, g, g + 1, m)))
     else:
         most = max(1, call.B * call.Hkv * kinds.shape[2] // MIN_UNITS)  # key heads per unit
         for b, m in itertools.product(range(call.B), range(kinds.shape[2])):
-            cost = int(nonempty[b if kinds.shape[0] > 1 else 0, 0, m])
+            cost = int(nonempty[tiling.mask_row(b, 0, m)])
             scores = max(1, cost * tiling.block_kv * call.G * tiling.block_q)  # per key head
             fold = max(1, min(call.Hkv, most, UNIT_SCORES // scores))
             for hk in range(0, call.Hkv, fold):
@@ -536,8 +540,7 @@ class _RowPlan:
     """What the units of one row of the block mask do (the row of a batch entry, a head and a
     query block): its pieces, each with the masks of its runs of partial blocks."""
 
-    blocks: int  # blocks in the row
-    computed: int  # non-empty ones
+    computed: int  # non-empty blocks
     partial: int  # partial ones
     pieces: tuple[tuple[_Piece, list], ...]
 
@@ -583,7 +586,7 @@ class _Worker:
         stats.tiles += len(plan.pieces)
         if call.block_mask is not None:
             stats.computed += heads * plan.computed
-            stats.skipped += heads * (plan.blocks - plan.computed)
+            stats.skipped += heads * (tiling.kinds.shape[-1] - plan.computed)
             stats.masked += heads * plan.partial
         if not plan.pieces:
             return  # out 0 and lse -inf, as set up
@@ -602,10 +605,7 @@ class _Worker:
 
     def plan(self, b: int, h: range, m: int, t0: int, t1: int) -> _RowPlan:
         """The plan of the query block ``m`` of batch entry ``b`` and heads ``h`` (kept)."""
-        kinds = self.tiling.kinds
-        mask_b = b if kinds.shape[0] > 1 else 0
-        mask_h = h.start if self.tiling.per_head else 0
-        key = (mask_b, mask_h, m)
+        key = self.tiling.mask_row(b, h.start, m)
         plan = self.plans.get(key)
         if plan is None:
             if len(self.plans) >= self.CACHE_SIZE:
@@ -614,6 +614,7 @@ class _Worker:
         return plan
 
     def make_plan(self, key: tuple[int, int, int], t0: int, t1: int) -> _RowPlan:
+        """The pieces of the row ``kinds[key]`` of queries ``t0:t1``, with their masks."""
         tiling = self.tiling
         row = tiling.kinds[key]  # (n_kv,): what each key block holds
         blocks = np.flatnonzero(row)
@@ -626,7 +627,6 @@ class _Worker:
             )
             pieces.append((piece, self.disallowed(piece, key, t0, t1)))
         return _RowPlan(
-            blocks=row.size,
             computed=blocks.size,
             partial=int(np.count_nonzero(row == PARTIAL)),
             pieces=tuple(pieces),
