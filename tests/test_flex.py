@@ -505,13 +505,39 @@ def test_stats_of_a_causal_mask(rng, mask_heads):
     stats = FlexStats()
     flex_attention_tiled(q, q, q, block_mask=mask, block_k=48, stats=stats)
     assert (stats.computed, stats.masked, stats.skipped) == (2 * 36, 2 * 8, 2 * 28)
-    # block_k = 48 keys: pieces of 3 blocks, so query block m (m + 1 blocks) takes
-    # ceil((m + 1) / 3) pieces, one product each (the partial diagonal block in its last)
-    pieces = [-(-(m + 1) // 3) for m in range(8)]
+    # block_k = 48 keys: pieces of 3 blocks, the full blocks apart from the partial ones, so
+    # query block m (m full blocks, then the partial diagonal one) takes ceil(m / 3) pieces of
+    # full blocks and one of its diagonal block, one product each
+    pieces = [-(-m // 3) + 1 for m in range(8)]
     # a unit per head and query block: 16 of them, no more than MIN_UNITS, so none takes two
     # heads even where the mask is the same for both
     assert (stats.units, stats.tiles) == (2 * 8, 2 * sum(pieces))
     assert stats.skipped / (stats.computed + stats.skipped) == mask.sparsity() / 100
+    # scores of unit size never exceed a row's shift by LAZY_MARGIN: no piece computed twice
+    assert stats.redone == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_piece_whose_scores_leap_above_the_shift_is_computed_again(rng, dtype):
+    # Query i points along key i (of norm 1), 200 times as long: its score with key i is
+    # 200 / 2 = 100 (scale 1/2 for Dk = 4), with key j 100 cos(i, j). In every block some row
+    # meets no key left of its block (the full blocks, folded in first) within LAZY_MARGIN =
+    # 20 of that, so the diagonal block's lazy step fails (a row sum exceeds e ** 20): the
+    # piece is computed again with a new shift, and the result is the formula's.
+    T, bs = 64, 16
+    k = normal(rng, 1, 1, T, 4)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q, v = 200 * k, normal(rng, 1, 1, T, 4)
+    mask = create_block_mask(_causal, None, None, T, T, BLOCK_SIZE=bs)
+    stats = FlexStats()
+    out, lse = flex_attention_tiled(
+        *(x.astype(dtype) for x in (q, k, v)), block_mask=mask, return_lse=True, stats=stats
+    )
+    # the diagonal block of each query block after the first: its second piece
+    assert stats.redone == T // bs - 1
+    want_out, want_lse = explicit(q, k, v, allowed=lambda b, h, i, j: i >= j)
+    assert_close(out, want_out, TOL[dtype])
+    assert_close(lse, want_lse, TOL[dtype])
 
 
 def test_the_score_mod_does_not_depend_on_the_tiling(rng):
@@ -582,10 +608,11 @@ def test_auto_tiles_large_problems(rng):
     q = normal(rng, 1, 2, 1024, 8, dtype=np.float32)
     mask = create_block_mask(_causal, None, None, 1024, 1024)
     flex_attention(q, q, q, spy, mask)
-    # per head and block of 128 query rows m: one product of the m + 1 blocks up to and
-    # including the diagonal, (m + 1) * 128 keys (2 heads x 8 blocks: a unit each)
+    # per head and block of 128 query rows m: one product of the m full blocks left of the
+    # diagonal, m * 128 keys (none for m = 0), and one of the diagonal block, 128 keys (2
+    # heads x 8 blocks: a unit each)
     widths = sorted(shape[-1] for shape in spy.shapes)
-    assert widths == sorted(2 * [128 * (m + 1) for m in range(8)])
+    assert widths == sorted(2 * [128 * m for m in range(1, 8)] + 2 * 8 * [128])
     assert {shape[:3] for shape in spy.shapes} == {(1, 1, 128)}
 
 
