@@ -519,25 +519,42 @@ def test_stats_of_a_causal_mask(rng, mask_heads):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_piece_whose_scores_leap_above_the_shift_is_computed_again(rng, dtype):
-    # Query i points along key i (of norm 1), 200 times as long: its score with key i is
-    # 200 / 2 = 100 (scale 1/2 for Dk = 4), with key j 100 cos(i, j). In every block some row
-    # meets no key left of its block (the full blocks, folded in first) within LAZY_MARGIN =
-    # 20 of that, so the diagonal block's lazy step fails (a row sum exceeds e ** 20): the
-    # piece is computed again with a new shift, and the result is the formula's.
+    # Keys e_0 ... e_63 and queries 400 e_i (scale 1/8): query i scores 50 against key i and 0
+    # against every other. A query block's full blocks, its first piece, pass at the shift 0
+    # (row sums 16 m); its diagonal block, at that shift, would add exp(50) > e ** 20 =
+    # e ** LAZY_MARGIN: that piece is computed again with a new shift, in every query block
+    # but the first (whose diagonal block is its only piece, computed with row maxima).
     T, bs = 64, 16
-    k = normal(rng, 1, 1, T, 4)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    q, v = 200 * k, normal(rng, 1, 1, T, 4)
+    k = np.eye(T)[None, None]
+    q, v = 400 * k, normal(rng, 1, 1, T, 3)
     mask = create_block_mask(_causal, None, None, T, T, BLOCK_SIZE=bs)
     stats = FlexStats()
     out, lse = flex_attention_tiled(
         *(x.astype(dtype) for x in (q, k, v)), block_mask=mask, return_lse=True, stats=stats
     )
-    # the diagonal block of each query block after the first: its second piece
     assert stats.redone == T // bs - 1
     want_out, want_lse = explicit(q, k, v, allowed=lambda b, h, i, j: i >= j)
     assert_close(out, want_out, TOL[dtype])
     assert_close(lse, want_lse, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_a_first_piece_too_far_from_zero_is_computed_again(rng, dtype, sign):
+    # Keys near one direction u and queries 400 u (or -400 u), scale 1/2: every score about
+    # +200 (exp overflows float32) or -200 (every row sum underflows). The unmasked row is one
+    # piece, which tries the shift 0 first: it is computed again, with the row maxima.
+    u = np.array([0.6, 0.0, 0.8, 0.0])
+    k = u + 0.01 * normal(rng, 1, 2, 40, 4)
+    q, v = sign * 400 * np.broadcast_to(u, (1, 2, 24, 4)), normal(rng, 1, 2, 40, 3)
+    stats = FlexStats()
+    out, lse = flex_attention_tiled(
+        *(x.astype(dtype) for x in (q, k, v)), return_lse=True, stats=stats
+    )
+    assert stats.redone == stats.units == 2
+    want_out, want_lse = explicit(q, k, v)
+    assert_close(out, want_out, TOL[dtype])
+    assert_close(lse, want_lse, dict(rtol=1e-6, atol=0))
 
 
 def test_the_score_mod_does_not_depend_on_the_tiling(rng):
@@ -575,6 +592,55 @@ def test_thread_counts_and_calling_threads_give_identical_bits(rng):
         for got in pool.map(run, [1, 2]):
             for a, b in zip(got, one):
                 np.testing.assert_array_equal(a, b)
+
+
+def test_a_block_mask_keeps_what_mask_mod_gave_for_later_calls(rng):
+    q, k, v = normal(rng, 1, 2, 40, 4), normal(rng, 1, 2, 40, 4), normal(rng, 1, 2, 40, 3)
+    recorder = Recorder(_window)
+    mask = create_block_mask(recorder.mask, None, None, 40, 40, BLOCK_SIZE=8)
+    recorder.recording = True
+    first = flex_attention_tiled(q, k, v, block_mask=mask, block_k=16, num_threads=2)
+    evaluated = len(recorder.mask_calls)
+    assert evaluated > 0
+    # the same settings: every plan kept, mask_mod not called again, the same bits
+    again = flex_attention_tiled(q, k, v, block_mask=mask, block_k=16, num_threads=1)
+    assert len(recorder.mask_calls) == evaluated
+    np.testing.assert_array_equal(again, first)
+    # another dtype (a bias of another dtype) or block_k (other pieces): evaluated anew
+    flex_attention_tiled(*(x.astype(np.float32) for x in (q, k, v)), block_mask=mask, block_k=16)
+    assert len(recorder.mask_calls) == 2 * evaluated
+    flex_attention_tiled(q, k, v, block_mask=mask, block_k=8)
+    assert len(recorder.mask_calls) > 2 * evaluated
+    # what is kept is read-only: no call can change a plan another will read
+    for cache in mask._tiled_plans.values():
+        for plan in cache.plans.values():
+            assert all(m is None or not m.flags.writeable for _, m in plan.pieces)
+
+
+def test_a_full_plan_cache_starts_over(rng, monkeypatch):
+    # A budget of two diagonal blocks' biases (8 x 8 float64): the cache never holds more,
+    # and the result is the same as with every plan kept.
+    q = normal(rng, 1, 1, 64, 4)
+    want = flex_attention_tiled(q, q, q, block_mask=create_block_mask(_causal, 1, 1, 64, 64, 8))
+    monkeypatch.setattr(sdpa.flex, "PLAN_CACHE_BYTES", 2 * 8 * 8 * 8)
+    mask = create_block_mask(_causal, 1, 1, 64, 64, BLOCK_SIZE=8)
+    for _ in range(2):
+        got = flex_attention_tiled(q, q, q, block_mask=mask)
+        np.testing.assert_array_equal(got, want)
+        (cache,) = mask._tiled_plans.values()
+        assert 0 < cache.nbytes <= 2 * 8 * 8 * 8
+        assert cache.nbytes == sum(plan.nbytes for plan in cache.plans.values())
+
+
+def test_a_new_mask_used_from_two_threads_at_once_gives_the_same_bits(rng):
+    q, k, v = normal(rng, 2, 4, 70, 8), normal(rng, 2, 4, 70, 8), normal(rng, 2, 4, 70, 8)
+    want = flex_attention_tiled(q, k, v, block_mask=create_block_mask(_window, 2, 4, 70, 70, 8))
+    for _ in range(5):  # both threads miss the same plans on a new mask, at the same time
+        mask = create_block_mask(_window, 2, 4, 70, 70, BLOCK_SIZE=8)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            runs = [pool.submit(flex_attention_tiled, q, k, v, block_mask=mask) for _ in range(2)]
+            for run in runs:
+                np.testing.assert_array_equal(run.result(), want)
 
 
 def test_an_error_in_a_mod_reaches_the_caller_from_a_worker_thread(rng):

@@ -111,6 +111,10 @@ class BlockMask:
     """Which blocks of the ``(Q_LEN, KV_LEN)`` score matrix a mask leaves empty, partial or full.
 
     Built by :func:`sdpa.create_block_mask`, not by hand. Immutable: its arrays are read-only.
+    The tiled path of :func:`sdpa.flex_attention` keeps with the mask what ``mask_mod`` gave on
+    its partial blocks (``sdpa.flex.PLAN_CACHE_BYTES`` at most), so that a mask used by many
+    calls evaluates each partial block once: like the block structure, a snapshot of
+    ``mask_mod`` (a mask whose ``mask_mod`` reads data that changed must be created again).
 
     Parameters
     ----------
@@ -179,6 +183,10 @@ class BlockMask:
         self._kinds.flags.writeable = False
         self.kv_num_blocks, self.kv_indices = _torch_layout(self._kinds == PARTIAL)
         self.full_kv_num_blocks, self.full_kv_indices = _torch_layout(self._kinds == FULL)
+        # What the tiled path of sdpa.flex_attention derives from the mask (the pieces of each
+        # row of blocks, what mask_mod gave on the partial ones), kept for later calls; see
+        # sdpa.flex.PLAN_CACHE_BYTES. None of it changes what the mask means.
+        self._tiled_plans: dict = {}
 
     @property
     def kinds(self) -> np.ndarray:

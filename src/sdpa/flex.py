@@ -29,9 +29,12 @@ heads at once, as many as ``UNIT_SCORES`` and ``MIN_UNITS`` allow):
 
 Without a ``score_mod`` the scores are computed in base 2 where ``exp2`` is the faster
 exponential (:func:`sdpa.tuning.tile_exponential`), as the tiled path of
-:func:`sdpa.scaled_dot_product_attention` does. Units whose rows of the block mask are equal
-(every head of a mask created with ``H=None``) share the layout of their gathered keys and the
-``mask_mod`` of their partial blocks: a worker evaluates each once.
+:func:`sdpa.scaled_dot_product_attention` does, and the online softmax takes the lazy steps of
+:mod:`sdpa.tiled`: a unit's first piece of full blocks at the shift 0, later pieces at the
+shift they find, each checked by its row sums and computed again in the rare case that fails.
+Units whose rows of the block mask are equal (every head of a mask created with ``H=None``)
+share one plan: the layout of their gathered keys and the ``mask_mod`` of their partial
+blocks, evaluated once and kept with the block mask for its later calls.
 
 Work units are shared among threads (:func:`sdpa.threads.run_in_threads`, BLAS on one
 thread); each unit's result depends on its inputs alone, so the bits do not depend on the
@@ -48,6 +51,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,7 +74,7 @@ from .problem import AttentionProblem, check_overflow, overflow_checked
 from .problem import prepare_attention as _prepare_attention  # public in sdpa.problem only
 from .softmax_stable import softmax_and_lse
 from .threads import default_num_threads, run_in_threads, single_threaded_blas
-from .tiled import LAZY_BOUND  # e ** LAZY_MARGIN: the lazy step's bound on a row sum
+from .tiled import LAZY_BOUND, LAZY_FLOOR  # e ** +-LAZY_MARGIN: the lazy steps' row sums
 from .tuning import tile_exponential
 
 __all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
@@ -111,6 +115,15 @@ MIN_UNIT_SCORES = 1 << 14
 UNIT_SCORES = 1 << 22  # 8 query blocks of 128 rows by 4096 keys: 16 MiB of float32
 MIN_UNITS = 16
 
+# A block mask keeps the tiled path's plans of its rows (their pieces, and what mask_mod gave on
+# their partial blocks) for every later call with the same settings, up to PLAN_CACHE_BYTES of
+# masks: a mask made once and used by every layer and step evaluates each partial block once,
+# as create_block_mask evaluated each block once. At T = S = 4096, 8 heads of width 64, float32,
+# two threads (2-core Xeon), a causal call spent about 8 ms of its threads' time making its 32
+# plans (mask_mod on a 128 x 128 block, its bias: about 75 us each alone, more while the other
+# thread contends for the GIL); kept, the call took 124-129 ms instead of 134-137.
+PLAN_CACHE_BYTES = 1 << 26  # 64 MiB: causal at T = S = 32768 keeps 16 MiB of float32 biases
+
 
 @dataclass
 class FlexStats:
@@ -132,13 +145,16 @@ class FlexStats:
     computed : int
         Blocks whose scores were computed (0 without a block mask).
     masked : int
-        Computed blocks on which ``mask_mod`` was called: the partial ones.
+        Computed blocks to which ``mask_mod`` applies: the partial ones. (It is evaluated on a
+        block once per block mask and setting, and kept: see ``PLAN_CACHE_BYTES``.)
     skipped : int
         Blocks never computed: the block mask marks them empty.
     redone : int
-        Pieces computed twice: a piece after the first keeps each row's shift (the online
-        softmax's lazy step) unless a score exceeds it by more than
-        ``sdpa.tuning.LAZY_MARGIN``; then it is computed again with a new shift.
+        Pieces computed twice. A unit's first piece of full blocks takes the shift 0 for
+        every row, and a later piece each row's present shift (the online softmax's lazy
+        steps), unless a row's scores end up too far above it, or (for the shift 0) all too
+        far below it (by ``sdpa.tuning.LAZY_MARGIN``); then the piece is computed again with
+        the row maxima as the shift.
 
     Examples
     --------
@@ -336,6 +352,7 @@ class _Tiling:
     block_k: int  # keys per product, at most (at least one block)
     per_head: bool  # the mask depends on the head: one head per unit
     exp: Callable  # the exponential of the tiles: numpy.exp, or numpy.exp2 on scores in base 2
+    plans: _PlanCache  # the plans of the mask's rows: the block mask's, or the call's
     out: np.ndarray  # (B, Hkv, G, T, Dv), written by the units (every row: not zeroed first)
     lse: np.ndarray  # (B, Hkv, G, T)
 
@@ -360,6 +377,10 @@ def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
     if call.score_mod is not None or problem.may_overflow:
         exp = np.exp
     factor = call.dtype.type(problem.scale * (LOG2E if exp is np.exp2 else 1.0))
+    if bm is None:
+        plans = _PlanCache()
+    else:  # what a plan holds depends on these settings, besides the mask
+        plans = _plans_of(bm, (block_k, exp is np.exp2, call.dtype.str))
     return _Tiling(
         call=call,
         factor=factor,
@@ -369,6 +390,7 @@ def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
         block_k=block_k,
         per_head=kinds.shape[1] > 1,
         exp=exp,
+        plans=plans,
         out=np.empty((call.B, call.Hkv, call.G, T, problem.Dv), dtype=call.dtype),
         lse=np.full((call.B, call.Hkv, call.G, T), -np.inf, dtype=call.dtype),
     )
@@ -422,7 +444,6 @@ class _Piece:
     """
 
     spans: tuple[tuple[int, int], ...]  # key ranges s0:s1 of runs of consecutive blocks
-    cols: np.ndarray  # (keys,) the key positions, in order
     masked: bool  # partial blocks: mask_mod applies; else full ones
 
     @classmethod
@@ -434,8 +455,11 @@ class _Piece:
                 spans[-1] = (spans[-1][0], s1)
             else:
                 spans.append((s0, s1))
-        cols = np.concatenate([np.arange(s0, s1) for s0, s1 in spans])
-        return cls(tuple(spans), cols, masked)
+        return cls(tuple(spans), masked)
+
+    def cols(self) -> np.ndarray:
+        """``(keys,)``: the key positions, in order (made when asked: plans are kept)."""
+        return np.concatenate([np.arange(s0, s1) for s0, s1 in self.spans])
 
     def gather(self, x: np.ndarray) -> np.ndarray:
         """The piece's rows of ``x`` ``(..., S, D)``: a view for one run of blocks, else a copy."""
@@ -468,10 +492,13 @@ class _Softmax:
         entries at ``-inf`` if its blocks are partial, and its values ``(n, keys, Dv)`` (of
         the unit's ``n`` key heads, each for ``heads / n`` query heads).
 
-        Once every row has a finite shift, the piece first takes the lazy step; False means
-        it failed and changed nothing but the tile: fold the piece in again, ``lazy=False``.
+        A first piece of full blocks first tries the shift 0, and a later piece, once every
+        row has a finite shift, the row's present shift (the lazy step); False means that it
+        failed and changed nothing but the tile: fold the piece in again, ``lazy=False``.
         """
         s = tile.reshape(-1, tile.shape[-1])  # (rows, keys) view
+        if lazy and self.m is None and not (piece.masked or self.modified):
+            return self.start_at_zero(s, value, piece)
         if lazy and self.finite:
             return self.lazy_add(s, value, piece)
         m = s.max(axis=1)  # NaN stays NaN
@@ -497,6 +524,21 @@ class _Softmax:
             self.l = self.l * alpha + l_piece
             self.acc = self.acc * alpha[:, None] + acc_piece
         self.m, self.shift = m, shift
+        return True
+
+    def start_at_zero(self, s: np.ndarray, value: np.ndarray, piece: _Piece) -> bool:
+        """The first piece at the shift 0 for every row: ``exp(s)`` straight away, with no row
+        maximum and no subtraction (without a mask, the whole row in one piece: one pass
+        less over the tile). Exact when every row sum lies between ``LAZY_FLOOR`` and
+        ``LAZY_BOUND``: no term overflows, and none that matters underflows."""
+        with np.errstate(over="ignore"):  # a score far above 0: inf, and the step fails
+            self.exponential(s, piece)
+        l_piece = s.sum(axis=1)
+        if not (l_piece.max() <= LAZY_BOUND and l_piece.min() >= LAZY_FLOOR):
+            return False
+        self.m = self.shift = np.zeros(s.shape[0], dtype=s.dtype)
+        self.l, self.acc = l_piece, _products(s, value)
+        self.finite = True
         return True
 
     def lazy_add(self, s: np.ndarray, value: np.ndarray, piece: _Piece) -> bool:
@@ -555,24 +597,69 @@ class _RowPlan:
 
     computed: int  # non-empty blocks
     partial: int  # partial ones
-    pieces: tuple[tuple[_Piece, np.ndarray | None], ...]
+    pieces: tuple[tuple[_Piece, np.ndarray | None], ...]  # the masks read-only: plans are shared
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its masks."""
+        return sum(mask.nbytes for _, mask in self.pieces if mask is not None)
+
+
+class _PlanCache:
+    """Plans of rows of a block mask, shared by the worker threads of a call and kept with the
+    mask for later calls (``PLAN_CACHE_BYTES`` of masks at most; when full, it starts over).
+
+    A plan depends on its row of the mask and the settings alone, never on the inputs, so
+    which thread made it, or which call, does not change a bit of any result. Two threads that
+    miss the same row both make its plan, and the first one kept serves later units.
+    """
+
+    def __init__(self, budget: int | None = None):
+        self.budget = PLAN_CACHE_BYTES if budget is None else budget
+        self.plans: dict = {}
+        self.nbytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple, make: Callable[[], _RowPlan]) -> _RowPlan:
+        """The plan of ``key``, made by ``make()`` if it is not kept."""
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        plan = make()
+        with self.lock:
+            if key in self.plans:
+                return self.plans[key]
+            if self.nbytes + plan.nbytes > self.budget:
+                self.plans.clear()
+                self.nbytes = 0
+            if plan.nbytes <= self.budget:
+                self.plans[key] = plan
+                self.nbytes += plan.nbytes
+        return plan
+
+
+_PLAN_CACHES_LOCK = threading.Lock()
+
+
+def _plans_of(block_mask: BlockMask, settings: tuple) -> _PlanCache:
+    """The plans ``block_mask`` keeps for calls with these ``settings`` (made on first use)."""
+    with _PLAN_CACHES_LOCK:
+        caches = block_mask._tiled_plans
+        if settings not in caches:
+            caches[settings] = _PlanCache()
+        return caches[settings]
 
 
 class _Worker:
-    """One thread: its counts, and the plans of the rows of the block mask it has met.
+    """One thread: its counts, and the units it takes.
 
     Units whose rows of the block mask are equal (the heads and batch entries of a mask
-    created with None, the same query block) share a plan: a worker makes each once and keeps
-    the last ``CACHE_SIZE``. What a unit computes does not depend on what the worker kept, so
-    the bits do not either.
+    created with None, the same query block) share a plan, made once (:class:`_PlanCache`).
     """
-
-    CACHE_SIZE = 256
 
     def __init__(self, tiling: _Tiling):
         self.tiling = tiling
         self.stats = FlexStats()
-        self.plans: dict = {}
 
     def drain(self, units: list, counter, failed: list) -> None:
         """Take units from the shared list until it is empty, or another worker failed."""
@@ -624,12 +711,7 @@ class _Worker:
     def plan(self, b: int, h: range, m: int, t0: int, t1: int) -> _RowPlan:
         """The plan of the query block ``m`` of batch entry ``b`` and heads ``h`` (kept)."""
         key = self.tiling.mask_row(b, h.start, m)
-        plan = self.plans.get(key)
-        if plan is None:
-            if len(self.plans) >= self.CACHE_SIZE:
-                self.plans.clear()
-            plan = self.plans[key] = self.make_plan(key, t0, t1)
-        return plan
+        return self.tiling.plans.get(key, lambda: self.make_plan(key, t0, t1))
 
     def make_plan(self, key: tuple[int, int, int], t0: int, t1: int) -> _RowPlan:
         """The pieces of the row ``kinds[key]`` of queries ``t0:t1``, with their masks: the full
@@ -643,7 +725,10 @@ class _Worker:
             for first in range(0, len(blocks), per_piece):
                 chunk = blocks[first : first + per_piece]
                 piece = _Piece.of(chunk, kind == PARTIAL, tiling.block_kv, tiling.call.problem.S)
-                pieces.append((piece, self.disallowed(piece, key, t0, t1)))
+                mask = self.disallowed(piece, key, t0, t1)
+                if mask is not None:
+                    mask.flags.writeable = False
+                pieces.append((piece, mask))
         return _RowPlan(
             computed=int(np.count_nonzero(row)),
             partial=int(np.count_nonzero(row == PARTIAL)),
@@ -658,7 +743,7 @@ class _Worker:
         if not piece.masked:
             return None
         allowed = evaluate_mask_mod(
-            tiling.call.block_mask.mask_mod, [key[0]], [key[1]], range(t0, t1), piece.cols
+            tiling.call.block_mask.mask_mod, [key[0]], [key[1]], range(t0, t1), piece.cols()
         )
         if tiling.exp is np.exp2:
             dtype = tiling.call.dtype
@@ -679,7 +764,7 @@ class _Worker:
         if problem.may_overflow:  # then the scores are in base e: a mask is ~mask_mod
             check_overflow(problem, scores, None if mask is None else ~mask, None)
         if call.score_mod is not None:
-            scores = _apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols)
+            scores = _apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols())
         if mask is not None and mask.dtype == bool:  # replaced: a score_mod's NaN is hidden
             np.copyto(scores, call.dtype.type(-np.inf), where=mask)
         elif mask is not None:  # a bias of 0 and -inf
