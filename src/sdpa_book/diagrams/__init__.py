@@ -24,6 +24,9 @@ Diagrams
     The tiled (FlashAttention) loop: slow memory, fast memory, the running ``m``, ``ℓ``.
 :func:`backward_graph_diagram`
     The forward's stages and the gradients flowing back.
+:func:`latent_attention_diagram`
+    Multi-head latent attention: the latent and the rotated key cached, each head's key and
+    value recomputed from the latent.
 :func:`transformer_block_diagram`
     The residual stream with pre-norm or post-norm sublayers.
 
@@ -66,6 +69,7 @@ from .draw import (
 from .flash_loop import flash_loop_diagram
 from .heads import grouped_heads_diagram, multihead_diagram
 from .kv_cache import kv_cache_diagram
+from .latent_attention import latent_attention_diagram
 from .masks import mask_geometry_diagram
 from .matrix import draw_matrix
 from .pipeline import attention_pipeline_diagram
@@ -91,6 +95,7 @@ __all__ = [
     "tagged_rects",
     "grouped_heads_diagram",
     "kv_cache_diagram",
+    "latent_attention_diagram",
     "mask_geometry_diagram",
     "multihead_diagram",
     "new_canvas",
