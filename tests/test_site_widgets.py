@@ -331,9 +331,13 @@ def test_lm_widget_shows_each_heads_map(desktop):
     maps = visit.widget("lm-attention").evaluate(
         "root => JSON.parse(root.querySelector('script.sdpa-widget-data').textContent).data"
     )
-    T = maps["T"]
+    T, steps = maps["T"], maps["steps"]
+    last = str(len(steps) - 1)
     shown_before = None
-    for layer, head, seq in [("0", "0", "0"), ("1", "2", "1"), ("1", "3", "2")]:
+    for step, layer, head, seq in [
+        (last, "0", "0", "0"), (last, "1", "2", "1"), (last, "1", "3", "2"), ("0", "1", "3", "2")
+    ]:  # fmt: skip
+        visit.choose("lm-attention", "step", step)
         visit.choose("lm-attention", "layer", layer)
         visit.choose("lm-attention", "head", head)
         visit.choose("lm-attention", "seq", seq)
@@ -344,12 +348,14 @@ def test_lm_widget_shows_each_heads_map(desktop):
         causal = np.tril(np.ones((T, T), dtype=bool))
         np.testing.assert_array_equal(~np.isnan(got), causal)
         np.testing.assert_allclose(np.nansum(got, axis=1), 1, atol=T * 5e-4)
-        tri = maps["maps"][f"{layer}/{head}/{seq}"]
-        np.testing.assert_allclose(got[causal], np.concatenate(tri))
+        tri = maps["maps"][f"{step}/{layer}/{head}/{seq}"]
+        np.testing.assert_allclose(got[causal], np.concatenate(tri) / 1000)  # thousandths
         assert shown_before is None or not np.array_equal(got[causal], shown_before)
         shown_before = got[causal]
         text = visit.readout("lm-attention")
-        assert text.startswith(f"Layer {layer}, head {head}:") and "score" in text
+        assert text.startswith(f"Step {steps[int(step)]}, layer {layer}, head {head}:"), text
+        assert "score" in text
+    assert steps[0] == 0 and steps == sorted(steps)
 
 
 def test_kv_cache_calculator_matches_the_python_formula(desktop):

@@ -153,3 +153,39 @@ def test_control_checks_its_value():
         Control("x", "X", "range", 5, low=0, high=1)
     with pytest.raises(ValueError, match="not one of the options"):
         Control("x", "X", "select", "c", options=[("a", "A"), ("b", "B")])
+
+
+def _small_lm(seed):
+    from sdpa.nn import DecoderLM
+
+    return DecoderLM(vocab_size=6, d_model=8, n_layers=2, n_heads=2, max_len=5,
+                     rng=np.random.default_rng(seed))  # fmt: skip
+
+
+def test_lm_widget_keeps_a_map_per_training_step_layer_head_and_sequence():
+    early, late = _small_lm(0), _small_lm(1)
+    tokens = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]]
+    w = widgets.lm_attention_widget(late, tokens, ["up", "down"], snapshots=[(0, early), (9, late)])
+    assert w.data["steps"] == [0, 9]
+    assert len(w.data["maps"]) == 2 * 2 * 2 * 2  # steps x layers x heads x sequences
+    assert [c.name for c in w.controls] == ["step", "layer", "head", "seq"]
+    assert w.controls[0].value == "1" and w.controls[0].options == [("0", "0"), ("1", "9")]
+    # each state's maps are its own model's weights, in thousandths
+    for k, model in enumerate([early, late]):
+        _, weights = model.forward(np.array(tokens), return_attention=True)
+        for layer, head, s in np.ndindex(2, 2, 2):
+            rows = w.data["maps"][f"{k}/{layer}/{head}/{s}"]
+            want = weights[layer][s, head]
+            for i, row in enumerate(rows):
+                np.testing.assert_allclose(np.array(row) / 1000, want[i, : i + 1], atol=5e-4)
+    assert w.data["maps"]["0/1/0/0"] != w.data["maps"]["1/1/0/0"]
+    # without snapshots: one state, no step control
+    one = widgets.lm_attention_widget(late, tokens, ["up", "down"])
+    assert one.data["steps"] == [None] and "step" not in [c.name for c in one.controls]
+    assert one.data["maps"]["0/1/0/0"] == w.data["maps"]["1/1/0/0"]
+
+
+def test_lm_widget_wants_the_model_last_among_its_snapshots():
+    early, late = _small_lm(0), _small_lm(1)
+    with pytest.raises(ValueError, match="the last of the snapshots must be the model itself"):
+        widgets.lm_attention_widget(late, [[0, 1, 2]], ["a"], snapshots=[(0, late), (9, early)])

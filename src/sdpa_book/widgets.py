@@ -22,6 +22,7 @@ import base64
 import hashlib
 import html
 import io
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -769,8 +770,11 @@ return `Query at i = ${i}, key at j = ${j}: offset j − i = ${d}, score ${sc[i]
 # e. a trained model's attention maps
 
 
-def lm_attention_widget(model, sequences, names, scores=None, tokens_shown=None) -> Widget:
-    """The attention map of every layer and head of a trained ``DecoderLM`` on a few sequences.
+def lm_attention_widget(
+    model, sequences, names, scores=None, tokens_shown=None, snapshots=None
+) -> Widget:
+    """The attention map of every layer and head of a trained ``DecoderLM`` on a few sequences,
+    and, with ``snapshots``, at several steps of its training.
 
     Parameters
     ----------
@@ -785,6 +789,12 @@ def lm_attention_widget(model, sequences, names, scores=None, tokens_shown=None)
         readout for the chosen map (for example a head's previous-token score).
     tokens_shown : int, optional
         Show only the first positions (default all).
+    snapshots : sequence of (int, sdpa.nn.DecoderLM), optional
+        The model at earlier training steps, ``(step, model)`` in order, the last of them
+        ``model`` itself: a menu chooses the step (the last is shown first). Without them, the
+        one state of ``model``. The maps are keyed ``"state/layer/head/sequence"``, ``state``
+        the index of the snapshot (0 without); each map holds the causal rows' weights in
+        thousandths (integers: a page of several states stays small).
 
     Examples
     --------
@@ -793,27 +803,21 @@ def lm_attention_widget(model, sequences, names, scores=None, tokens_shown=None)
     ...               rng=np.random.default_rng(0))
     >>> w = lm_attention_widget(m, [[0, 1, 2, 3, 4, 0]], ["a sequence"])
     >>> sorted(w.data["maps"])
-    ['0/0/0', '0/1/0']
+    ['0/0/0/0', '0/0/1/0']
     """
     tokens = np.asarray(sequences)
-    _, weights = model.forward(tokens, return_attention=True)  # per layer: (N, H, T, T)
+    states = list(snapshots) if snapshots else [(None, model)]
+    if states[-1][1] is not model:
+        raise ValueError("the last of the snapshots must be the model itself")
     T = tokens.shape[1] if tokens_shown is None else tokens_shown
     maps, numbers = {}, {}
-    for layer, w in enumerate(weights):
-        for head in range(w.shape[1]):
-            for s in range(len(tokens)):
-                a = w[s, head, :T, :T]
-                allowed = np.tril(np.ones((T, T), dtype=bool))
-                maps[f"{layer}/{head}/{s}"] = [
-                    [round(float(x), 3) for x in row[: i + 1]] for i, row in enumerate(a)
-                ]
-                assert np.all(a[~allowed] == 0)
-                if scores:
-                    numbers[f"{layer}/{head}/{s}"] = {
-                        label: round(float(f(w[s, head], s)), 4) for label, f in scores.items()
-                    }
-    n_layers, n_heads = len(weights), weights[0].shape[1]
-    data = {"maps": maps, "numbers": numbers, "T": T}
+    for k, (_, state) in enumerate(states):
+        _, weights = state.forward(tokens, return_attention=True)  # per layer: (N, H, T, T)
+        for (layer, head, s), entry in _attention_maps(weights, T, scores).items():
+            maps[f"{k}/{layer}/{head}/{s}"], numbers[f"{k}/{layer}/{head}/{s}"] = entry
+    n_layers, n_heads = model.n_layers, model.n_heads
+    last = len(states) - 1
+    data = {"maps": maps, "numbers": numbers, "T": T, "steps": [step for step, _ in states]}
     controls = [
         Control(
             "layer",
@@ -831,17 +835,22 @@ def lm_attention_widget(model, sequences, names, scores=None, tokens_shown=None)
             options=[(str(s), name) for s, name in enumerate(names)],
         ),  # fmt: skip
     ]
+    if len(states) > 1:
+        steps = [(str(k), str(step)) for k, (step, _) in enumerate(states)]
+        controls.insert(0, Control("step", "Training step", "select", str(last), options=steps))
     code = (
         "const showText = false;\n"
         + HEATMAP_JS
         + """
-const key = `${v.layer}/${v.head}/${v.seq}`, tri = D.maps[key];
+const k = v.step === undefined ? 0 : v.step, step = D.steps[k];
+const key = `${k}/${v.layer}/${v.head}/${v.seq}`;
+const tri = D.maps[key].map(r => r.map(x => x / 1000));
 const rows = tri.map((r, i) => r.concat(Array(D.T - i - 1).fill(null)));
 fill(model("weights"), rows, null, D.T, D.T);
 const nums = D.numbers[key] || {};
 const top = tri.map(r => r.indexOf(Math.max(...r)));
 const last = D.T - 1;
-return `Layer ${v.layer}, head ${v.head}: ` +
+return (step === null ? "" : `Step ${step}, `) + `layer ${v.layer}, head ${v.head}: ` +
   Object.entries(nums).map(([k, x]) => `${k} ${x.toFixed(3)}`).join(", ") +
   `${Object.keys(nums).length ? "; " : ""}the last query (${last}) puts its largest weight, ` +
   `${Math.max(...tri[last]).toFixed(3)}, on position ${top[last]}.`;
@@ -855,14 +864,15 @@ return `Layer ${v.layer}, head ${v.head}: ` +
         return fig
 
     def static():
-        key = f"{n_layers - 1}/0/0"
-        rows = [r + [None] * (T - len(r)) for r in maps[key]]
+        key = f"{last}/{n_layers - 1}/0/0"
+        rows = [[x / 1000 for x in r] + [None] * (T - len(r)) for r in maps[key]]
         return _static_heatmap(rows, f"Layer {n_layers - 1}, head 0, {names[0]}",
                                x_label="key position", y_label="query position", text=False)  # fmt: skip
 
+    choose = "the training step, " if len(states) > 1 else ""
     return Widget(
         name="lm-attention",
-        title="A trained model's attention: choose the layer, the head and the sequence",
+        title=f"A trained model's attention: choose {choose}the layer, the head and the sequence",
         alt=f"Heat map of the attention weights of layer {n_layers - 1}, head 0 on {names[0]}.",
         controls=controls,
         data=data,
@@ -870,6 +880,23 @@ return `Layer ${v.layer}, head ${v.head}: ` +
         layout=layout,
         static=static,
     )
+
+
+def _attention_maps(weights, T: int, scores) -> dict:
+    """``{(layer, head, sequence): (map, numbers)}`` from a forward pass's weights (per layer
+    ``(N, H, T, T)``): each map the causal rows in thousandths, the numbers ``scores``'s."""
+    out = {}
+    allowed = np.tril(np.ones((T, T), dtype=bool))
+    for layer, w in enumerate(weights):
+        for head, s in itertools.product(range(w.shape[1]), range(w.shape[0])):
+            a = w[s, head, :T, :T]
+            assert np.all(a[~allowed] == 0)
+            rows = [[round(1000 * float(x)) for x in row[: i + 1]] for i, row in enumerate(a)]
+            numbers = {
+                label: round(float(f(w[s, head], s)), 4) for label, f in (scores or {}).items()
+            }
+            out[layer, head, s] = rows, numbers
+    return out
 
 
 # --------------------------------------------------------------------------------------------
