@@ -850,7 +850,7 @@ fill(model("weights"), rows, null, D.T, D.T);
 const nums = D.numbers[key] || {};
 const top = tri.map(r => r.indexOf(Math.max(...r)));
 const last = D.T - 1;
-return (step === null ? "" : `Step ${step}, `) + `layer ${v.layer}, head ${v.head}: ` +
+return (step === null ? "Layer" : `Step ${step}, layer`) + ` ${v.layer}, head ${v.head}: ` +
   Object.entries(nums).map(([k, x]) => `${k} ${x.toFixed(3)}`).join(", ") +
   `${Object.keys(nums).length ? "; " : ""}the last query (${last}) puts its largest weight, ` +
   `${Math.max(...tri[last]).toFixed(3)}, on position ${top[last]}.`;
