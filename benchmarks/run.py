@@ -646,6 +646,7 @@ def run_flex_case(case, idle) -> dict:
         start = time.perf_counter()
         mask = sdpa.create_block_mask(causal, None, None, n, n)
         creation.append(time.perf_counter() - start)
+    # a new mask for each call of its implementation: the warm-up's and FLEX_ROUNDS rounds'
     new_masks = [sdpa.create_block_mask(causal, None, None, n, n) for _ in range(FLEX_ROUNDS + 1)]
     impls = {
         "flex, no mask": lambda: sdpa.flex_attention(q, k, v),

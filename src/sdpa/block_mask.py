@@ -186,7 +186,7 @@ class BlockMask:
         # What the tiled path of sdpa.flex_attention derives from the mask (the pieces of each
         # row of blocks, what mask_mod gave on the partial ones), kept for later calls; see
         # sdpa.flex.PLAN_CACHE_BYTES. None of it changes what the mask means.
-        self._tiled_plans: dict = {}
+        self._tiled_plans = None  # a sdpa.flex._PlanCache, made on first use
 
     @property
     def kinds(self) -> np.ndarray:

@@ -146,8 +146,9 @@ class FlexStats:
         Work units: one block of query rows of one head, of the heads that share a key head,
         or (when the mask does not depend on the head) of several key heads.
     tiles : int
-        Matrix products of a unit's queries with its gathered keys: one per piece of at most
-        ``block_k`` keys.
+        Pieces: a unit's gathered keys of one kind (full or partial blocks), at most
+        ``block_k`` of them, each one matrix product with the unit's queries (two when the
+        piece is computed again, counted in ``redone``).
     computed : int
         Blocks whose scores were computed (0 without a block mask).
     masked : int
@@ -358,12 +359,9 @@ class _Tiling:
     block_k: int  # keys per product, at most (at least one block)
     exp: Callable  # the exponential of the tiles: numpy.exp, or numpy.exp2 on scores in base 2
     plans: _PlanCache  # the plans of the mask's rows: the block mask's, or the call's
+    settings: tuple  # what a plan depends on besides its row: (block_k, base 2, dtype)
     out: np.ndarray  # (B, Hkv, G, T, Dv), written by the units (every row: not zeroed first)
     lse: np.ndarray  # (B, Hkv, G, T)
-
-    def mask_row(self, b: int, h: int, m: int) -> tuple[int, int, int]:
-        """Where batch entry ``b``, query head ``h`` and query block ``m`` read ``kinds``."""
-        return _mask_row(self.kinds, b, h, m)
 
 
 def _mask_row(kinds: np.ndarray, b: int, h: int, m: int) -> tuple[int, int, int]:
@@ -397,10 +395,6 @@ def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
     if call.score_mod is not None or problem.may_overflow:
         exp = np.exp
     factor = call.dtype.type(problem.scale * (LOG2E if exp is np.exp2 else 1.0))
-    if bm is None:
-        plans = _PlanCache()
-    else:  # what a plan holds depends on these settings, besides the mask
-        plans = _plans_of(bm, (block_k, exp is np.exp2, call.dtype.str))
     return _Tiling(
         call=call,
         factor=factor,
@@ -409,7 +403,8 @@ def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
         block_kv=block_kv,
         block_k=block_k,
         exp=exp,
-        plans=plans,
+        plans=_PlanCache() if bm is None else _plans_of(bm),
+        settings=(block_k, exp is np.exp2, call.dtype.str),
         out=np.empty((call.B, call.Hkv, call.G, T, problem.Dv), dtype=call.dtype),
         lse=np.full((call.B, call.Hkv, call.G, T), -np.inf, dtype=call.dtype),
     )
@@ -519,7 +514,7 @@ class _Softmax:
         self.exp = exp
         self.modified = modified  # a score_mod made the scores: any of them may be +-inf
         self.finite = False  # every row has had a finite score: m is finite, and then l >= 1
-        self.m = None  # running maximum, (rows,)
+        self.m = None  # running maximum (after a lazy step: the shift), (rows,)
         self.shift = None  # what l and acc are relative to: m, or 0 where m = -inf
         self.l = None  # running normaliser, (rows,)
         self.acc = None  # sum of exp(score - shift) v, (rows, Dv)
@@ -645,8 +640,9 @@ class _RowPlan:
 
 
 class _PlanCache:
-    """Plans of rows of a block mask, shared by the worker threads of a call and kept with the
-    mask for later calls (``PLAN_CACHE_BYTES`` of masks at most; when full, it starts over).
+    """Plans of rows of a block mask, keyed by the settings of the call and the row, shared by
+    the worker threads of a call and kept with the mask for later calls (``PLAN_CACHE_BYTES``
+    of masks at most, whatever the settings; when full, it starts over).
 
     A plan depends on its row of the mask and the settings alone, never on the inputs, so
     which thread made it, or which call, does not change a bit of any result. Two threads that
@@ -680,13 +676,12 @@ class _PlanCache:
 _PLAN_CACHES_LOCK = threading.Lock()
 
 
-def _plans_of(block_mask: BlockMask, settings: tuple) -> _PlanCache:
-    """The plans ``block_mask`` keeps for calls with these ``settings`` (made on first use)."""
+def _plans_of(block_mask: BlockMask) -> _PlanCache:
+    """The plans ``block_mask`` keeps (made on first use, once whichever thread asks)."""
     with _PLAN_CACHES_LOCK:
-        caches = block_mask._tiled_plans
-        if settings not in caches:
-            caches[settings] = _PlanCache()
-        return caches[settings]
+        if block_mask._tiled_plans is None:
+            block_mask._tiled_plans = _PlanCache()
+        return block_mask._tiled_plans
 
 
 class _Worker:
@@ -749,8 +744,9 @@ class _Worker:
 
     def plan(self, b: int, h: range, m: int, t0: int, t1: int) -> _RowPlan:
         """The plan of the query block ``m`` of batch entry ``b`` and heads ``h`` (kept)."""
-        key = self.tiling.mask_row(b, h.start, m)
-        return self.tiling.plans.get(key, lambda: self.make_plan(key, t0, t1))
+        tiling = self.tiling
+        row = _mask_row(tiling.kinds, b, h.start, m)
+        return tiling.plans.get((tiling.settings, row), lambda: self.make_plan(row, t0, t1))
 
     def make_plan(self, key: tuple[int, int, int], t0: int, t1: int) -> _RowPlan:
         """The pieces of the row ``kinds[key]`` of queries ``t0:t1``, with their masks: the full
@@ -911,17 +907,13 @@ def _empty(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
     return out, np.full(shape, -np.inf, dtype=call.dtype)
 
 
-def _computed_scores(call: _FlexCall) -> int:
+def _computed_scores(call: _FlexCall, kinds: np.ndarray, block_q: int, block_kv: int) -> int:
     """Scores the tiled path would compute: the entries of the non-empty blocks."""
     T, S = call.problem.T, call.problem.S
-    bm = call.block_mask
-    if bm is None:
-        return call.B * call.Hq * T * S
-    block_q, block_kv = bm.BLOCK_SIZE
-    rows = np.diff(np.minimum(np.arange(bm.kinds.shape[2] + 1) * block_q, T))  # (n_q,)
-    cols = np.diff(np.minimum(np.arange(bm.kinds.shape[3] + 1) * block_kv, S))  # (n_kv,)
-    per_mask = int(((bm.kinds != 0) * rows[:, None] * cols[None, :]).sum())
-    return per_mask * (call.B * call.Hq) // (bm.shape[0] * bm.shape[1])
+    rows = np.diff(np.minimum(np.arange(kinds.shape[2] + 1) * block_q, T))  # (n_q,)
+    cols = np.diff(np.minimum(np.arange(kinds.shape[3] + 1) * block_kv, S))  # (n_kv,)
+    per_mask = int(((kinds != 0) * rows[:, None] * cols[None, :]).sum())
+    return per_mask * (call.B * call.Hq) // (kinds.shape[0] * kinds.shape[1])
 
 
 def _worth_tiling(call: _FlexCall) -> bool:
@@ -930,8 +922,8 @@ def _worth_tiling(call: _FlexCall) -> bool:
     n_scores = call.B * call.Hq * T * S
     if n_scores < MIN_TILED_SCORES:
         return False
-    units = _unit_count(call, *_blocks(call, BLOCK_K))  # as the tiled path would cut the work
-    if _computed_scores(call) >= MIN_UNIT_SCORES * units:
+    blocks = _blocks(call, BLOCK_K)  # as the tiled path would cut the work
+    if _computed_scores(call, *blocks) >= MIN_UNIT_SCORES * _unit_count(call, *blocks):
         return True
     need = 3 * n_scores * call.dtype.itemsize
     available = available_memory() if need > (1 << 28) else None

@@ -86,27 +86,7 @@ def latent_attention_diagram(
     width = max(max(r.x1 for r in where.values()) + _CACHE, _labels_span(where)[1]) + MARGIN
     height = max(r.y1 for r in where.values()) + MARGIN
     fig, ax = new_canvas(min(PHONE_CANVAS, width), height)
-    for tag, (lines, color, stored) in boxes.items():
-        r = where[tag]
-        draw_box(
-            ax,
-            r.x0,
-            r.y0,
-            r.width,
-            r.height,
-            color=color,
-            fill=0.2,
-            linestyle="-" if stored else "--",
-            tag=tag,
-        )
-        _write_lines(ax, r.cx, r.y1 - _PAD, lines)
-    cache = Rect(
-        where["latent"].x0 - _CACHE,
-        min(where["latent"].y0, where["rope key"].y0) - _CACHE,
-        where["rope key"].x1 + _CACHE,
-        max(where["latent"].y1, where["rope key"].y1) + _CACHE,
-    )
-    _outline(ax, cache, INK, linewidth=1.6)
+    _draw_boxes(ax, boxes, where)
     _arrows(ax, where)
     _legend(
         ax,
@@ -117,6 +97,23 @@ def latent_attention_diagram(
         ncols=1,
     )
     return fig
+
+
+def _draw_boxes(ax, boxes: dict, where: dict[str, Rect]) -> None:
+    """Each box with its lines (dashed when not stored), and the outline around the cache."""
+    for tag, (lines, color, stored) in boxes.items():
+        r = where[tag]
+        draw_box(ax, r.x0, r.y0, r.width, r.height, color=color, fill=0.2,
+                 linestyle="-" if stored else "--", tag=tag)  # fmt: skip
+        _write_lines(ax, r.cx, r.y1 - _PAD, lines)
+    latent, rope = where["latent"], where["rope key"]
+    cache = Rect(
+        latent.x0 - _CACHE,
+        min(latent.y0, rope.y0) - _CACHE,
+        rope.x1 + _CACHE,
+        max(latent.y1, rope.y1) + _CACHE,
+    )
+    _outline(ax, cache, INK, linewidth=1.6)
 
 
 def _box_size(lines: list[str]) -> tuple[float, float]:
