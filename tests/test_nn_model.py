@@ -343,7 +343,7 @@ def test_zero_new_tokens_returns_the_prompt():
 
 @pytest.mark.parametrize("size", ["vocab_size", "d_model", "n_layers", "n_heads", "max_len"])
 def test_sizes_must_be_integers(size):
-    with pytest.raises(TypeError, match=f"{size} must be a non-negative integer; got 2.0"):
+    with pytest.raises(TypeError, match=f"{size} must be a positive integer; got 2.0"):
         make_model(**{size: 2.0})
 
 

@@ -524,7 +524,7 @@ def softcapped_case(rng, B=2, Hq=6, Hkv=2, T=3, S=5, Dk=4):
 def test_softcapped_attention_matches_torch(torch, rng, with_sinks):
     """The written-out attention and its backward against torch.autograd on the formula, for
     grouped heads, a mask with T != S and (optionally) sinks."""
-    from sdpa.nn.functional import softcapped_attention, softcapped_attention_backward
+    from sdpa.nn.softcap import softcapped_attention, softcapped_attention_backward
 
     c, cap = softcapped_case(rng), 1.3
     sinks = c["sinks"] if with_sinks else None

@@ -367,3 +367,65 @@ def renamed_keyword(value, old_value, name: str, old_name: str):
         stacklevel=3,
     )
     return old_value
+
+
+# Arguments of the array functions of sdpa.nn (their leading axes are anything).
+
+
+def float_arrays(**arrays) -> tuple[list[np.ndarray], np.dtype]:
+    """Convert the named arrays (None passes through) to their working dtype; return it too.
+
+    The dtype policy of :mod:`sdpa.nn`'s functions: :func:`compute_dtype`.
+    """
+    converted = {name: None if a is None else as_float_array(a, name) for name, a in arrays.items()}
+    present = [a for a in converted.values() if a is not None]
+    out_dtype, work_dtype = compute_dtype(*present)
+    work = [None if a is None else a.astype(work_dtype, copy=False) for a in converted.values()]
+    return work, out_dtype
+
+
+def check_features(x: np.ndarray, name: str) -> int:
+    """``x`` must be ``(..., E)`` with ``E >= 1``; return ``E``."""
+    if x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must have at least one dimension and a non-empty last axis (..., E); "
+            f"got {name}.shape={x.shape}"
+        )
+    return x.shape[-1]
+
+
+def check_vector(a: np.ndarray | None, name: str, size: int, of: str) -> None:
+    if a is not None and a.shape != (size,):
+        raise ValueError(
+            f"{name} must have shape ({size},), the last axis of {of}; got {name}.shape={a.shape}"
+        )
+
+
+def check_grad_shape(d_y: np.ndarray, shape: tuple[int, ...], what: str) -> None:
+    if d_y.shape != shape:
+        raise ValueError(
+            f"d_y must have the shape of the forward result {what}, {shape}; "
+            f"got d_y.shape={d_y.shape}"
+        )
+
+
+def check_indices(
+    indices: ArrayLike,
+    name: str,
+    shape: tuple[int, ...],
+    size: int,
+    ignore_index: int | None = None,
+) -> np.ndarray:
+    """Integer indices of the given shape, each in ``[0, size)`` or equal to ``ignore_index``."""
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array; got dtype {idx.dtype}")
+    if idx.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {name}.shape={idx.shape}")
+    valid = (idx >= 0) & (idx < size)
+    if ignore_index is not None:
+        valid |= idx == ignore_index
+    if not valid.all():
+        bad = idx[~valid].flat[0]
+        raise ValueError(f"{name} must lie in [0, {size}); got the value {bad}")
+    return idx

@@ -5,13 +5,14 @@ piece is a plain function with a partner ``*_backward`` that returns the gradien
 ``sum(d_y * f(...))`` (the vector-Jacobian product backpropagation needs), checked in the tests
 against central finite differences and against ``torch.autograd``.
 
-Functions (``sdpa.nn.functional``)
+Functions (``sdpa.nn.functional``, ``sdpa.nn.softcap``, ``sdpa.nn.losses``)
     :func:`linear`, :func:`layer_norm`, :func:`rms_norm`, :func:`gelu`, :func:`softcap`,
     :func:`cross_entropy` and their backward passes; :func:`embedding_backward`.
 Optimiser (``sdpa.nn.optim``)
     :class:`AdamW`, step for step equal to ``torch.optim.AdamW``.
-Model (``sdpa.nn.model``)
-    :class:`DecoderLM`: forward pass, loss and gradients, generation with a KV cache.
+Model (``sdpa.nn.model``, ``sdpa.nn.config``)
+    :class:`DecoderLM`: forward pass, loss and gradients, generation with a KV cache; its
+    sizes and options in a :class:`DecoderConfig`, checked once.
 
 >>> import numpy as np
 >>> from sdpa.nn import AdamW, DecoderLM
@@ -28,10 +29,8 @@ Model (``sdpa.nn.model``)
 True
 """
 
+from .config import DecoderConfig
 from .functional import (
-    cross_entropy,
-    cross_entropy_backward,
-    embedding_backward,
     gelu,
     gelu_backward,
     layer_norm,
@@ -40,15 +39,16 @@ from .functional import (
     linear_backward,
     rms_norm,
     rms_norm_backward,
-    softcap,
-    softcap_backward,
 )
+from .losses import cross_entropy, cross_entropy_backward, embedding_backward
 from .mla import LatentKVCache, MultiHeadLatentAttention
 from .model import DecoderLM
 from .optim import AdamW
+from .softcap import softcap, softcap_backward
 
 __all__ = [
     "AdamW",
+    "DecoderConfig",
     "DecoderLM",
     "LatentKVCache",
     "MultiHeadLatentAttention",

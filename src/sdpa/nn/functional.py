@@ -1,16 +1,15 @@
-r"""The pieces of a Transformer other than attention, as functions with hand-derived gradients.
+r"""The pieces of a Transformer block other than attention, as functions with hand-derived
+gradients: the linear map, the two norms and GELU.
 
 Every forward function ``f`` has a partner ``f_backward(d_y, *inputs)`` that returns the
 gradients of the scalar ``L = sum(d_y * f(*inputs))`` with respect to the inputs: the
 vector-Jacobian product that backpropagation needs, where ``d_y = dL/dy`` arrives from the layer
-above. The loss :func:`cross_entropy` is where backpropagation starts, so its backward takes no
-``d_y`` (the gradient of the loss with respect to itself is 1). The one piece of attention
-here is private: the soft-capped attention of :class:`sdpa.nn.DecoderLM` (``attn_softcap``),
-written out because :func:`sdpa.scaled_dot_product_attention` has no cap.
+above. The rest of :mod:`sdpa.nn`'s functions follow the same rule: soft-capping in
+:mod:`sdpa.nn.softcap`, the loss and the embedding's gradient in :mod:`sdpa.nn.losses`.
 
-Shape letters: ``E`` feature width (``in``/``out`` for a linear map), ``V`` vocabulary size.
-Leading dimensions ``...`` are anything (batch, time, heads); parameters are shared across them,
-so their gradients are sums over the leading dimensions.
+Shape letters: ``E`` feature width (``in``/``out`` for a linear map). Leading dimensions
+``...`` are anything (batch, time, heads); parameters are shared across them, so their
+gradients are sums over the leading dimensions.
 
 **Dtypes.** float32 and float64 inputs give outputs of the common dtype (``np.result_type``),
 computed in it; float16 is computed in float32 and returned as float16; integer and bool inputs
@@ -20,19 +19,13 @@ are computed in float64. Inputs are never modified.
 from __future__ import annotations
 
 import math
-from numbers import Integral
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._checks import as_float_array, check_nonneg_int, check_real, compute_dtype
-from ..attention import softmax_with_sinks
-from ..softmax_stable import log_softmax, softmax, softmax_and_lse
+from .._checks import check_features, check_grad_shape, check_real, check_vector, float_arrays
 
 __all__ = [
-    "cross_entropy",
-    "cross_entropy_backward",
-    "embedding_backward",
     "gelu",
     "gelu_backward",
     "layer_norm",
@@ -41,50 +34,9 @@ __all__ = [
     "linear_backward",
     "rms_norm",
     "rms_norm_backward",
-    "softcap",
-    "softcap_backward",
 ]
 
 GELU_APPROXIMATIONS = ("none", "tanh")
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation shared by the functions of this module
-# ---------------------------------------------------------------------------------------------
-
-
-def _floats(**arrays) -> tuple[list[np.ndarray], np.dtype]:
-    """Convert the named arrays (None passes through) to their working dtype; return it too."""
-    converted = {name: None if a is None else as_float_array(a, name) for name, a in arrays.items()}
-    present = [a for a in converted.values() if a is not None]
-    out_dtype, work_dtype = compute_dtype(*present)
-    work = [None if a is None else a.astype(work_dtype, copy=False) for a in converted.values()]
-    return work, out_dtype
-
-
-def _check_features(x: np.ndarray, name: str) -> int:
-    """``x`` must be ``(..., E)`` with ``E >= 1``; return ``E``."""
-    if x.ndim == 0 or x.shape[-1] == 0:
-        raise ValueError(
-            f"{name} must have at least one dimension and a non-empty last axis (..., E); "
-            f"got {name}.shape={x.shape}"
-        )
-    return x.shape[-1]
-
-
-def _check_vector(a: np.ndarray | None, name: str, size: int, of: str) -> None:
-    if a is not None and a.shape != (size,):
-        raise ValueError(
-            f"{name} must have shape ({size},), the last axis of {of}; got {name}.shape={a.shape}"
-        )
-
-
-def _check_grad_shape(d_y: np.ndarray, shape: tuple[int, ...], what: str) -> None:
-    if d_y.shape != shape:
-        raise ValueError(
-            f"d_y must have the shape of the forward result {what}, {shape}; "
-            f"got d_y.shape={d_y.shape}"
-        )
 
 
 def _check_eps(eps) -> float:
@@ -99,28 +51,6 @@ def _check_approximate(approximate) -> str:
     return approximate
 
 
-def _check_indices(
-    indices: ArrayLike,
-    name: str,
-    shape: tuple[int, ...],
-    size: int,
-    ignore_index: int | None = None,
-) -> np.ndarray:
-    """Integer indices of the given shape, each in ``[0, size)`` or equal to ``ignore_index``."""
-    idx = np.asarray(indices)
-    if idx.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array; got dtype {idx.dtype}")
-    if idx.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}; got {name}.shape={idx.shape}")
-    valid = (idx >= 0) & (idx < size)
-    if ignore_index is not None:
-        valid |= idx == ignore_index
-    if not valid.all():
-        bad = idx[~valid].flat[0]
-        raise ValueError(f"{name} must lie in [0, {size}); got the value {bad}")
-    return idx
-
-
 def _sum_leading(a: np.ndarray) -> np.ndarray:
     """Sum over every axis but the last: the gradient of a parameter shared by all rows."""
     return a.reshape(-1, a.shape[-1]).sum(axis=0)
@@ -132,7 +62,7 @@ def _sum_leading(a: np.ndarray) -> np.ndarray:
 
 
 def _linear_args(x, weight, bias):
-    (x, weight, bias), out_dtype = _floats(x=x, weight=weight, bias=bias)
+    (x, weight, bias), out_dtype = float_arrays(x=x, weight=weight, bias=bias)
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D (in, out); got weight.shape={weight.shape}")
     if x.ndim == 0 or x.shape[-1] != weight.shape[0]:
@@ -140,7 +70,7 @@ def _linear_args(x, weight, bias):
             f"the last axis of x must equal the rows of weight (in, out); "
             f"got x.shape={x.shape}, weight.shape={weight.shape}"
         )
-    _check_vector(bias, "bias", weight.shape[1], "the result (the columns of weight)")
+    check_vector(bias, "bias", weight.shape[1], "the result (the columns of weight)")
     return x, weight, bias, out_dtype
 
 
@@ -233,9 +163,9 @@ def linear_backward(
     array([2., 2.])
     """
     x, weight, bias, out_dtype = _linear_args(x, weight, bias)
-    (d_y,), _ = _floats(d_y=d_y)
+    (d_y,), _ = float_arrays(d_y=d_y)
     d_y = d_y.astype(x.dtype, copy=False)
-    _check_grad_shape(d_y, (*x.shape[:-1], weight.shape[1]), "(..., out)")
+    check_grad_shape(d_y, (*x.shape[:-1], weight.shape[1]), "(..., out)")
     d_x = d_y @ weight.T  # (..., out) @ (out, in) -> (..., in)
     x2 = x.reshape(-1, weight.shape[0])  # (N, in), N = product of the leading dimensions
     d_y2 = d_y.reshape(-1, weight.shape[1])  # (N, out)
@@ -251,10 +181,10 @@ def linear_backward(
 
 def _norm_args(x, weight, bias, eps):
     eps = _check_eps(eps)
-    (x, weight, bias), out_dtype = _floats(x=x, weight=weight, bias=bias)
-    E = _check_features(x, "x")
-    _check_vector(weight, "weight", E, "x")
-    _check_vector(bias, "bias", E, "x")
+    (x, weight, bias), out_dtype = float_arrays(x=x, weight=weight, bias=bias)
+    E = check_features(x, "x")
+    check_vector(weight, "weight", E, "x")
+    check_vector(bias, "bias", E, "x")
     return x, weight, bias, eps, out_dtype
 
 
@@ -406,9 +336,9 @@ def layer_norm_backward(
     array([0., 0., 0.])
     """
     x, weight, bias, eps, out_dtype = _norm_args(x, weight, bias, eps)
-    (d_y,), _ = _floats(d_y=d_y)
+    (d_y,), _ = float_arrays(d_y=d_y)
     d_y = d_y.astype(x.dtype, copy=False)
-    _check_grad_shape(d_y, x.shape, "(..., E)")
+    check_grad_shape(d_y, x.shape, "(..., E)")
     x_hat, rstd, s = _layer_norm_stats(x, eps)
     g = d_y * weight  # gradient reaching x_hat
     d_x = rstd * (
@@ -533,9 +463,9 @@ def rms_norm_backward(
     0.0
     """
     x, weight, _, eps, out_dtype = _norm_args(x, weight, None, eps)
-    (d_y,), _ = _floats(d_y=d_y)
+    (d_y,), _ = float_arrays(d_y=d_y)
     d_y = d_y.astype(x.dtype, copy=False)
-    _check_grad_shape(d_y, x.shape, "(..., E)")
+    check_grad_shape(d_y, x.shape, "(..., E)")
     x_hat, rrms, s = _rms_stats(x, eps)
     g = d_y * weight
     d_x = rrms * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True)) / s
@@ -554,7 +484,7 @@ _TANH_CUBIC = 0.044715  # the constant of Hendrycks and Gimpel's tanh approximat
 
 def _gelu_args(x, approximate):
     approximate = _check_approximate(approximate)
-    (x,), out_dtype = _floats(x=x)
+    (x,), out_dtype = float_arrays(x=x)
     return x, approximate, out_dtype
 
 
@@ -656,9 +586,9 @@ def gelu_backward(d_y: ArrayLike, x: ArrayLike, *, approximate: str = "none") ->
     array([0. , 0.5, 1. ])
     """
     x, approximate, out_dtype = _gelu_args(x, approximate)
-    (d_y,), _ = _floats(d_y=d_y)
+    (d_y,), _ = float_arrays(d_y=d_y)
     d_y = d_y.astype(x.dtype, copy=False)
-    _check_grad_shape(d_y, x.shape, "(the shape of x)")
+    check_grad_shape(d_y, x.shape, "(the shape of x)")
     if approximate == "tanh":
         th = np.tanh(_SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x))
         slope = 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * _SQRT_2_OVER_PI * (
@@ -668,351 +598,3 @@ def gelu_backward(d_y: ArrayLike, x: ArrayLike, *, approximate: str = "none") ->
         density = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
         slope = _normal_cdf(x) + x * density
     return (d_y * slope).astype(out_dtype, copy=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# Soft-capping, and attention with soft-capped scores
-# ---------------------------------------------------------------------------------------------
-
-
-def _softcap_args(x, cap):
-    cap = check_real(
-        cap, "cap", "a positive, finite real number", lambda c: math.isfinite(c) and c > 0
-    )
-    (x,), out_dtype = _floats(x=x)
-    return x, cap, out_dtype
-
-
-def softcap(x: ArrayLike, cap: float) -> np.ndarray:
-    r"""Soft-capping, ``cap * tanh(x / cap)``: a smooth clamp of ``x`` into ``(-cap, cap)``.
-
-    Gemma 2 caps its attention scores (at 50) and its final logits (at 30) this way, and
-    nanochat its logits (at 15): a value small next to ``cap`` passes almost unchanged, a large
-    one saturates, so that no score or logit can grow without bound during training.
-
-    Parameters
-    ----------
-    x : array_like
-        Any shape.
-    cap : float
-        The bound, a positive finite number.
-
-    Returns
-    -------
-    y : np.ndarray
-        Same shape as ``x``, every entry in ``[-cap, cap]`` (``-cap`` and ``cap`` themselves
-        only where ``tanh`` rounds to one, or for infinite ``x``).
-
-    Raises
-    ------
-    TypeError
-        If ``x`` is complex or not numeric, or ``cap`` is not a real number.
-    ValueError
-        If ``cap`` is not positive and finite.
-
-    Notes
-    -----
-    :math:`y = c \tanh(x / c)` is odd and increasing, with slope one at zero. Since
-    :math:`u - u^3/3 \le \tanh u \le u` for :math:`u \ge 0`, the cap shrinks a value by at most
-    :math:`|x|^3 / (3 c^2)`: by less than a third of :math:`(x/c)^2` in relative terms. Its
-    gradient is in :func:`softcap_backward`.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from sdpa.nn import softcap
-    >>> x = np.array([-100.0, -1.0, 0.0, 1.0, 100.0])
-    >>> np.round(softcap(x, 5.0), 4) + 0.0  # small values almost unchanged, large ones to +-5
-    array([-5.    , -0.9869,  0.    ,  0.9869,  5.    ])
-    """
-    x, cap, out_dtype = _softcap_args(x, cap)
-    return (cap * np.tanh(x / cap)).astype(out_dtype, copy=False)
-
-
-def softcap_backward(d_y: ArrayLike, x: ArrayLike, cap: float) -> np.ndarray:
-    r"""Gradient of ``sum(d_y * softcap(x, cap))`` with respect to ``x``.
-
-    Parameters
-    ----------
-    d_y : array_like
-        Gradient with respect to the result, shaped like ``x``.
-    x, cap
-        As in :func:`softcap`.
-
-    Returns
-    -------
-    d_x : np.ndarray
-        ``d_y * (1 - tanh(x / cap) ** 2)``.
-
-    Raises
-    ------
-    TypeError
-        As :func:`softcap`.
-    ValueError
-        As :func:`softcap`; also if ``d_y`` does not have the shape of ``x``.
-
-    Notes
-    -----
-    :math:`\frac{d}{dx}\, c \tanh(x/c) = 1 - \tanh^2(x/c)`: one at zero, and
-    :math:`4 e^{-2|x|/c}` or less far out, so that a capped value which has saturated
-    passes almost no gradient back.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from sdpa.nn import softcap_backward
-    >>> x = np.array([0.0, 5.0, 50.0])
-    >>> np.round(softcap_backward(np.ones(3), x, 5.0), 4)  # 1, 1 - tanh(1)^2, almost 0
-    array([1.  , 0.42, 0.  ])
-    """
-    x, cap, out_dtype = _softcap_args(x, cap)
-    (d_y,), _ = _floats(d_y=d_y)
-    d_y = d_y.astype(x.dtype, copy=False)
-    _check_grad_shape(d_y, x.shape, "(the shape of x)")
-    th = np.tanh(x / cap)
-    return (d_y * (1.0 - th * th)).astype(out_dtype, copy=False)
-
-
-def softcapped_attention(q, k, v, cap: float, allowed: np.ndarray, sinks=None):
-    r"""Attention with soft-capped scores, the whole ``(T, S)`` matrix at once.
-
-    ``out = softmax(where(allowed, cap * tanh(q k^T / sqrt(Dk) / cap), -inf)) v``, with an
-    optional sink logit per row in the softmax's denominator (not capped: it is a parameter,
-    not a score). :func:`sdpa.scaled_dot_product_attention` has no cap, so this is written out
-    (for the short sequences of :class:`sdpa.nn.DecoderLM`).
-
-    ``q`` is ``(B, Hq, T, Dk)``; ``k``, ``v`` are ``(B, Hkv, S, Dk)`` (query head ``h`` uses
-    key/value head ``h // (Hq / Hkv)``, as ``enable_gqa``); ``allowed`` ``(T, S)`` bool leaves
-    every row a key; ``sinks`` broadcasts to ``(B, Hq, T)``. Float arrays of one dtype, not
-    checked (internal). Returns ``out`` ``(B, Hq, T, Dk)``, ``weights`` ``(B, Hq, T, S)`` and
-    ``lse`` ``(B, Hq, T)``, the log of the softmax's denominator (with the sink's term).
-    """
-    G = q.shape[1] // k.shape[1]  # query heads per key/value head
-    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, Hkv, S, Dk) -> (B, Hq, S, Dk)
-    # (B, Hq, T, Dk) @ (B, Hq, Dk, S) -> (B, Hq, T, S)
-    scores = q @ k.swapaxes(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
-    capped = np.where(allowed, softcap(scores, cap), -np.inf)  # (B, Hq, T, S)
-    if sinks is None:
-        weights, lse = softmax_and_lse(capped)
-    else:
-        weights, lse = softmax_with_sinks(capped, sinks)
-    return weights @ v, weights, lse[..., 0]  # (B, Hq, T, S) @ (B, Hq, S, Dk) -> (B, Hq, T, Dk)
-
-
-def softcapped_attention_backward(d_out, q, k, v, cap: float, weights, lse, sinks=None):
-    r"""Gradients ``(d_q, d_k, d_v, d_sinks)`` of ``sum(d_out * out)`` for
-    :func:`softcapped_attention`, given its ``weights`` and ``lse``.
-
-    The chain, stage by stage backwards: ``out = A V`` gives ``dV = A^T dO`` and
-    ``dA = dO V^T``; the softmax gives ``dZc = A * (dA - delta)`` with
-    ``delta_i = sum_j a_ij dA_ij = do_i . o_i`` (zero where masked, since ``a_ij = 0``); the cap
-    multiplies by ``1 - tanh^2(z / cap)`` (:func:`softcap_backward`); ``z = q k^T / sqrt(Dk)``
-    gives ``dQ = dZ K / sqrt(Dk)``, ``dK = dZ^T Q / sqrt(Dk)``. The sink is one more column of
-    the softmax, with weight ``exp(s_i - lse_i)`` and no value (its ``dA`` is 0), so
-    ``d_sinks_i = -exp(s_i - lse_i) delta_i``, ``(B, Hq, T)`` (None without sinks). Grouped
-    heads: ``d_k`` and ``d_v`` sum the gradients of the query heads that share a head.
-    """
-    B, Hkv, S, Dk = k.shape
-    G = q.shape[1] // Hkv
-    scale = 1.0 / math.sqrt(Dk)
-    k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, Hq, S, Dk)
-    scores = q @ k_rep.swapaxes(-1, -2) * scale  # recomputed: the cap's slope needs them
-    d_v = weights.swapaxes(-1, -2) @ d_out  # (B, Hq, S, T) @ (B, Hq, T, Dk) -> (B, Hq, S, Dk)
-    d_weights = d_out @ v_rep.swapaxes(-1, -2)  # (B, Hq, T, Dk) @ (B, Hq, Dk, S) -> (B, Hq, T, S)
-    delta = np.sum(weights * d_weights, axis=-1, keepdims=True)  # (B, Hq, T, 1)
-    d_capped = weights * (d_weights - delta)  # through the softmax
-    d_scores = softcap_backward(d_capped, scores, cap) * scale  # through the cap and the scale
-    d_q = d_scores @ k_rep  # (B, Hq, T, S) @ (B, Hq, S, Dk) -> (B, Hq, T, Dk)
-    d_k = d_scores.swapaxes(-1, -2) @ q  # (B, Hq, S, T) @ (B, Hq, T, Dk) -> (B, Hq, S, Dk)
-    d_sinks = None
-    if sinks is not None:
-        d_sinks = -np.exp(sinks - lse) * delta[..., 0]  # (B, Hq, T)
-    # the query heads of a group share their key/value head: (B, Hq, S, Dk) -> (B, Hkv, S, Dk)
-    d_k = d_k.reshape(B, Hkv, G, S, Dk).sum(axis=2)
-    d_v = d_v.reshape(B, Hkv, G, S, Dk).sum(axis=2)
-    return d_q, d_k, d_v, d_sinks
-
-
-# ---------------------------------------------------------------------------------------------
-# Loss and embedding
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_ignore_index(ignore_index) -> int | None:
-    if ignore_index is None:
-        return None
-    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, Integral):
-        raise TypeError(f"ignore_index must be an integer or None; got {ignore_index!r}")
-    return int(ignore_index)
-
-
-def _cross_entropy_args(logits, targets, ignore_index):
-    ignore_index = _check_ignore_index(ignore_index)
-    (logits,), out_dtype = _floats(logits=logits)
-    V = _check_features(logits, "logits")
-    targets = _check_indices(targets, "targets", logits.shape[:-1], V, ignore_index)
-    if ignore_index is None:
-        counted = np.ones(targets.shape, dtype=bool)
-    else:
-        counted = targets != ignore_index
-    n = int(counted.sum())
-    if n == 0:
-        raise ValueError(
-            f"every target equals ignore_index={ignore_index}, so the mean loss is undefined "
-            "(PyTorch returns nan); give at least one target to count"
-        )
-    return logits, targets, counted, n, out_dtype
-
-
-def cross_entropy(
-    logits: ArrayLike, targets: ArrayLike, *, ignore_index: int | None = None
-) -> float:
-    r"""Mean negative log-likelihood of the targets under ``softmax(logits)``.
-
-    The same number as ``torch.nn.functional.cross_entropy(logits.reshape(-1, V),
-    targets.reshape(-1), ignore_index=...)`` with ``reduction="mean"``. The classes sit on the
-    *last* axis here (PyTorch wants them on axis 1), which is the layout of a language model's
-    ``(B, T, V)`` logits.
-
-    Parameters
-    ----------
-    logits : (..., V) array_like
-        Unnormalised log-probabilities over ``V`` classes.
-    targets : (...) array_like of int
-        The correct class of each row, in ``[0, V)``, or ``ignore_index``.
-    ignore_index : int, optional
-        Rows whose target equals it are left out of the loss and of the mean's denominator
-        (padding).
-
-    Returns
-    -------
-    loss : float
-        ``-mean(log_softmax(logits)[..., targets])`` over the counted rows, in nats.
-
-    Raises
-    ------
-    TypeError
-        If ``logits`` is complex or not numeric, ``targets`` is not an integer array, or
-        ``ignore_index`` is not an integer.
-    ValueError
-        If ``logits`` has no axis or no classes, ``targets`` does not have the shape
-        ``logits.shape[:-1]``, a target is out of range, or every target is ignored.
-
-    Notes
-    -----
-    The log-probabilities come from :func:`sdpa.log_softmax`, which subtracts the row maximum
-    first, so large logits do not overflow. A model that predicts uniformly has loss
-    :math:`\log V`.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from sdpa.nn import cross_entropy
-    >>> logits = np.zeros((2, 4))  # uniform over V = 4 classes: loss log 4
-    >>> round(cross_entropy(logits, np.array([0, 3])), 6) == round(float(np.log(4)), 6)
-    True
-    >>> logits = np.array([[10.0, 0.0], [0.0, 10.0]])
-    >>> round(cross_entropy(logits, np.array([0, -1]), ignore_index=-1), 6)  # confident, right
-    4.5e-05
-    """
-    logits, targets, counted, n, _ = _cross_entropy_args(logits, targets, ignore_index)
-    log_p = log_softmax(logits.reshape(-1, logits.shape[-1]), axis=-1)  # (N, V)
-    rows = np.flatnonzero(counted)  # the counted rows of the flattened (N,) targets
-    return float(-log_p[rows, targets.reshape(-1)[rows]].sum() / n)
-
-
-def cross_entropy_backward(
-    logits: ArrayLike, targets: ArrayLike, *, ignore_index: int | None = None
-) -> np.ndarray:
-    r"""Gradient of :func:`cross_entropy` with respect to the logits.
-
-    Parameters
-    ----------
-    logits, targets, ignore_index
-        As in :func:`cross_entropy`.
-
-    Returns
-    -------
-    d_logits : (..., V) np.ndarray
-        ``(softmax(logits) - onehot(targets)) / n`` on counted rows, with ``n`` their number;
-        zero on ignored rows.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As :func:`cross_entropy`.
-
-    Notes
-    -----
-    For one row, :math:`L = -z_t + \log\sum_j e^{z_j}` gives :math:`\partial L / \partial z_j
-    = p_j - [j = t]`: the predicted probabilities minus the one-hot target. Each row of the
-    gradient sums to zero.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from sdpa.nn import cross_entropy_backward
-    >>> cross_entropy_backward(np.zeros((2, 4)), np.array([0, 3]))  # p = 1/4, n = 2
-    array([[-0.375,  0.125,  0.125,  0.125],
-           [ 0.125,  0.125,  0.125, -0.375]])
-    """
-    logits, targets, counted, n, out_dtype = _cross_entropy_args(logits, targets, ignore_index)
-    d_logits = softmax(logits.reshape(-1, logits.shape[-1]), axis=-1)  # (N, V), a new array
-    rows = np.flatnonzero(counted)
-    d_logits[rows, targets.reshape(-1)[rows]] -= 1.0
-    d_logits[~counted.reshape(-1)] = 0.0
-    d_logits /= n
-    return d_logits.reshape(logits.shape).astype(out_dtype, copy=False)
-
-
-def embedding_backward(d_out: ArrayLike, indices: ArrayLike, num_embeddings: int) -> np.ndarray:
-    r"""Gradient of ``sum(d_out * table[indices])`` with respect to ``table``.
-
-    An embedding lookup copies row ``indices[i]`` of a ``(num_embeddings, E)`` table into
-    output row ``i``; its backward adds each output row's gradient into the table row it came
-    from. A token that appears several times receives the sum of the gradients of all its
-    occurrences; rows that were never looked up receive zero.
-
-    Parameters
-    ----------
-    d_out : (..., E) array_like
-        Gradient with respect to the looked-up rows.
-    indices : (...) array_like of int
-        The row each output came from, in ``[0, num_embeddings)``.
-    num_embeddings : int
-        Number of rows of the table.
-
-    Returns
-    -------
-    d_table : (num_embeddings, E) np.ndarray
-        Row ``i`` is the sum of the rows of ``d_out`` whose index is ``i``.
-
-    Raises
-    ------
-    TypeError
-        If ``d_out`` is complex or not numeric, ``indices`` is not an integer array, or
-        ``num_embeddings`` is not an integer.
-    ValueError
-        If ``d_out`` has no axis, ``num_embeddings`` is negative, ``indices`` does not have
-        the shape ``d_out.shape[:-1]``, or an index is out of range.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from sdpa.nn import embedding_backward
-    >>> d_out = np.array([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]])  # three lookups, E = 2
-    >>> embedding_backward(d_out, np.array([2, 0, 2]), 4)  # row 2 used twice: 1 + 4
-    array([[2., 2.],
-           [0., 0.],
-           [5., 5.],
-           [0., 0.]])
-    """
-    num_embeddings = check_nonneg_int(num_embeddings, "num_embeddings")
-    (d_out,), out_dtype = _floats(d_out=d_out)
-    if d_out.ndim == 0:
-        raise ValueError("d_out must have at least one dimension (..., E); got a 0-d array")
-    idx = _check_indices(indices, "indices", d_out.shape[:-1], num_embeddings)
-    E = d_out.shape[-1]
-    d_table = np.zeros((num_embeddings, E), dtype=d_out.dtype)
-    np.add.at(d_table, idx.reshape(-1), d_out.reshape(-1, E))  # unbuffered: repeats accumulate
-    return d_table.astype(out_dtype, copy=False)

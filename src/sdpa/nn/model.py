@@ -25,27 +25,22 @@ heads, ``Hkv`` key/value heads, ``Dk`` head width (``E / Hq``), ``Dff`` MLP widt
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Real
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 # The public attention API of sdpa, which this model is built on, from the modules that
 # define it (never from the package face, which imports sdpa.nn).
-from .._checks import check_nonneg_int, check_real, check_rng
-from ..attention import scaled_dot_product_attention
-from ..backward import scaled_dot_product_attention_backward
+from .._checks import check_rng
 from ..kvcache import KVCache
 from ..multihead import merge_heads, split_heads
 from ..positional import sinusoidal_positional_encoding
 from ..rope import apply_rotary_embedding
-from ..softmax_stable import softmax
+from .block_attention import block_attention
+from .config import FIELDS as CONFIG_FIELDS
+from .config import DecoderConfig
 from .functional import (
-    cross_entropy,
-    cross_entropy_backward,
-    embedding_backward,
     gelu,
     gelu_backward,
     layer_norm,
@@ -54,51 +49,21 @@ from .functional import (
     linear_backward,
     rms_norm,
     rms_norm_backward,
-    softcap,
-    softcap_backward,
-    softcapped_attention,
-    softcapped_attention_backward,
 )
+from .generation import check_generation, pick_tokens
+from .inputs import check_attn_mask, check_flags, check_targets, check_tokens, checked_kv
+from .losses import cross_entropy, cross_entropy_backward, embedding_backward
+from .softcap import softcap, softcap_backward
 
 __all__ = ["DecoderLM"]
 
-POSITIONALS = ("rope", "sinusoidal", "learned", None)
-NORMS = ("layer", "rms")
-# The keyword options that add to the plain model, all off by default.
-OPTIONS = ("qk_norm", "logit_softcap", "attn_softcap", "sink", "output_gate")
 GELU = "tanh"  # the MLP's activation: GPT-2's tanh form of GELU (fast; see sdpa.nn.gelu)
-# The whole-matrix attention path: a small model's sequences are short, and for them it is
-# several times faster than the tiled path, which "auto" picks from the total number of scores
-# (batch x heads x T x S) however short each sequence is.
-ATTENTION = "reference"
-
-
-def _positive_int(value, name: str) -> int:
-    value = check_nonneg_int(value, name)
-    if value == 0:
-        raise ValueError(f"{name} must be a positive integer; got 0")
-    return value
-
-
-def _check_bool(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool; got {value!r}")
-    return bool(value)
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     """``1 / (1 + exp(-z))``, without overflow for either sign of ``z``."""
     e = np.exp(-np.abs(z))  # in (0, 1]
     return np.where(z >= 0, 1.0, e) / (1.0 + e)
-
-
-def _check_cap(value, name: str) -> float | None:
-    """A soft-cap: None (off) or a positive finite real number, as a float."""
-    if value is None:
-        return None
-    return check_real(
-        value, name, "None or a positive, finite real number", lambda c: math.isfinite(c) and c > 0
-    )
 
 
 @dataclass
@@ -128,94 +93,35 @@ class DecoderLM:
 
     Parameters
     ----------
-    vocab_size : int
-        ``V``, the number of token ids.
-    d_model : int
-        ``E``, the width of the residual stream.
-    n_layers : int
-        Number of blocks (at least 1).
-    n_heads : int
-        ``Hq``, query heads per block; must divide ``d_model``. Each head has width
-        ``Dk = d_model // n_heads`` (even, with RoPE).
-    n_kv_heads : int, optional
-        ``Hkv``, key/value heads; a divisor of ``n_heads`` (grouped-query attention when
-        smaller, multi-query when 1). Default ``n_heads``.
-    d_ff : int, optional
-        ``Dff``, the hidden width of the MLP; default ``4 * d_model``. Unused when
-        ``attention_only``.
-    max_len : int
-        The longest sequence the model accepts (the context length), for training and for
-        generation alike; the size of the positional tables.
-    positional : {"rope", "sinusoidal", "learned", None}, default "rope"
-        How position enters: rotary embeddings of queries and keys in every layer
-        (:func:`sdpa.apply_rotary_embedding`), the fixed sinusoidal table added to the token
-        embeddings (:func:`sdpa.sinusoidal_positional_encoding`), a learned table added to
-        them (parameter ``"position_embedding"``), or nothing (the causal mask alone).
-    norm : {"layer", "rms"}, default "layer"
-        :func:`sdpa.nn.layer_norm` (with gain and bias, ``eps = 1e-5``) or
-        :func:`sdpa.nn.rms_norm` (gain only, ``eps = 1e-6``).
-    attention_only : bool, default False
-        Leave out the MLPs: each block is only ``x + attention(norm(x))``.
-    qk_norm : bool, default False
-        QK-norm (as OLMo 2, Qwen3 and Gemma 3): RMS-normalise each head's queries and keys
-        over ``Dk`` (:func:`sdpa.nn.rms_norm`, ``eps = 1e-6``), times learned gains
-        ``q_norm.weight`` and ``k_norm.weight`` shared by the heads, before RoPE. A score is
-        then at most ``Dk * max|gain_q| * max|gain_k| / sqrt(Dk)`` whatever the projections.
-    logit_softcap : float, optional
-        Soft-cap the final logits: ``cap * tanh(logits / cap)`` (:func:`sdpa.nn.softcap`; as
-        Gemma 2 at 30 and nanochat at 15), so that every logit lies in ``(-cap, cap)``. A
-        positive finite number; default None, no cap.
-    attn_softcap : float, optional
-        Soft-cap every attention score after the ``1 / sqrt(Dk)`` scale and before the
-        causal mask: ``z = cap * tanh(z / cap)`` (Gemma 2, at 50). The attention is then
-        computed explicitly, the whole ``(T, T)`` matrix at once, with a hand-derived
-        backward pass (:func:`sdpa.scaled_dot_product_attention` has no cap). A positive
-        finite number; default None, no cap.
-    sink : bool, default False
-        A learned attention sink per query head (as gpt-oss): one logit ``blocks.i.attn.sink``
-        per head, initialised to 0, joins each softmax's denominator as a column with no
-        value (``sinks=`` of :func:`sdpa.scaled_dot_product_attention`), so that a head can
-        attend to nothing; its weights then sum to less than one. The sink logit is not
-        soft-capped.
-    output_gate : bool, default False
-        Gated attention (Qiu et al. 2025, as Qwen3-Next): multiply each head's output
-        elementwise by ``sigmoid(h W_g)`` before ``w_o``, where ``h`` is the block's normed
-        input and ``W_g`` the parameter ``blocks.i.attn.w_g``. A head can then turn its
-        output down without parking its attention on some token.
-    dtype : {np.float64, np.float32}, default np.float64
-        The dtype of the parameters and of every computation.
+    config : DecoderConfig, optional
+        The sizes and options (:class:`sdpa.nn.DecoderConfig`, where each is documented).
     rng : numpy.random.Generator
         Source of the initial parameters.
+    **options
+        Instead of ``config``: its fields as keywords (``vocab_size=``, ``d_model=``,
+        ``n_layers=``, ``n_heads=``, ``max_len=`` and any of the optional ones), from which the
+        model makes its config.
 
     Attributes
     ----------
+    config : DecoderConfig
+        The sizes and options, checked. Each field (and ``head_dim``) also reads as an
+        attribute of the model: ``model.d_model`` is ``model.config.d_model``.
     params : dict of str to np.ndarray
         Every parameter, by name; the model's only state (see Notes). Replace or modify the
         arrays to change the model; :class:`sdpa.nn.AdamW` updates them in place.
-    vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len : int
-        The sizes; ``d_ff`` is None when ``attention_only``.
-    head_dim : int
-        ``Dk = d_model // n_heads``.
-    positional, norm, attention_only, dtype
-        The other choices, as given.
-    qk_norm : bool
-        As given (the options default off, and a model without them is the plain one).
-    logit_softcap, attn_softcap : float or None
-        As given.
-    sink, output_gate : bool
-        As given.
+    attention : CausalAttention or SoftcappedAttention
+        The blocks' attention variant (``sdpa.nn.block_attention``), chosen from
+        ``attn_softcap``: its forward pass, backward pass and cached decoding.
 
     Raises
     ------
     TypeError
-        If a size is not an integer, ``attention_only``, ``qk_norm``, ``sink`` or
-        ``output_gate`` is not a bool, a soft-cap is not a real number, or ``rng`` is not a
-        ``numpy.random.Generator``.
+        If both ``config`` and keyword options are given, ``config`` is not a
+        ``DecoderConfig``, ``rng`` is not a ``numpy.random.Generator``, or an option is of the
+        wrong kind (see :class:`sdpa.nn.DecoderConfig`).
     ValueError
-        If a size is not positive, ``n_heads`` does not divide ``d_model``, ``n_kv_heads``
-        does not divide ``n_heads``, the head width is odd with RoPE, ``positional``,
-        ``norm`` or ``dtype`` is not one of the choices, or a soft-cap is not positive and
-        finite.
+        If an option's value is invalid (see :class:`sdpa.nn.DecoderConfig`).
 
     Notes
     -----
@@ -311,78 +217,29 @@ class DecoderLM:
     True
     """
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        d_ff: int | None = None,
-        max_len: int,
-        positional: str | None = "rope",
-        norm: str = "layer",
-        attention_only: bool = False,
-        qk_norm: bool = False,
-        logit_softcap: float | None = None,
-        attn_softcap: float | None = None,
-        sink: bool = False,
-        output_gate: bool = False,
-        dtype=np.float64,
-        rng: np.random.Generator,
-    ):
-        self.vocab_size = _positive_int(vocab_size, "vocab_size")
-        self.d_model = _positive_int(d_model, "d_model")
-        self.n_layers = _positive_int(n_layers, "n_layers")
-        self.n_heads = _positive_int(n_heads, "n_heads")
-        self.n_kv_heads = (
-            self.n_heads if n_kv_heads is None else _positive_int(n_kv_heads, "n_kv_heads")
-        )
-        self.max_len = _positive_int(max_len, "max_len")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"n_heads must divide d_model; got d_model={self.d_model}, n_heads={self.n_heads}"
+    def __init__(self, config: DecoderConfig | None = None, *, rng: np.random.Generator, **options):
+        if config is None:
+            config = DecoderConfig(**options)
+        elif options:
+            raise TypeError(
+                f"give DecoderLM a config or its options as keywords, not both; got config and "
+                f"{sorted(options)}"
             )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_kv_heads must divide n_heads; got n_heads={self.n_heads}, "
-                f"n_kv_heads={self.n_kv_heads}"
-            )
-        self.head_dim = self.d_model // self.n_heads
-        if positional not in POSITIONALS:
-            raise ValueError(
-                f"positional must be 'rope', 'sinusoidal', 'learned' or None; got {positional!r}"
-            )
-        if positional == "rope" and self.head_dim % 2:
-            raise ValueError(
-                f"positional='rope' needs an even head width d_model // n_heads; got "
-                f"{self.d_model} // {self.n_heads} = {self.head_dim}"
-            )
-        self.positional = positional
-        if norm not in NORMS:
-            raise ValueError(f"norm must be 'layer' or 'rms'; got {norm!r}")
-        self.norm = norm
-        self.attention_only = _check_bool(attention_only, "attention_only")
-        self.qk_norm = _check_bool(qk_norm, "qk_norm")
-        self.logit_softcap = _check_cap(logit_softcap, "logit_softcap")
-        self.attn_softcap = _check_cap(attn_softcap, "attn_softcap")
-        self.sink = _check_bool(sink, "sink")
-        self.output_gate = _check_bool(output_gate, "output_gate")
-        if self.attention_only:
-            self.d_ff = None
-        else:
-            self.d_ff = 4 * self.d_model if d_ff is None else _positive_int(d_ff, "d_ff")
-        try:
-            self.dtype = np.dtype(dtype)
-        except TypeError:
-            raise ValueError(f"dtype must be np.float32 or np.float64; got {dtype!r}") from None
-        if self.dtype not in (np.float32, np.float64):
-            raise ValueError(f"dtype must be np.float32 or np.float64; got {dtype!r}")
+        elif not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig; got {config!r:.80}")
+        self.config = config
+        self.attention = block_attention(config)  # the attention variant of every block
         self.params = self._init_params(check_rng(rng))
 
+    def __getattr__(self, name: str):
+        # Called only when normal lookup fails: the config's fields read as the model's own.
+        config = self.__dict__.get("config")
+        if config is not None and name in CONFIG_FIELDS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __repr__(self) -> str:
-        options = "".join(f", {name}={value!r}" for name, value in self._options().items())
+        options = "".join(f", {name}={value!r}" for name, value in self.config.options.items())
         return (
             f"DecoderLM(vocab_size={self.vocab_size}, d_model={self.d_model}, "
             f"n_layers={self.n_layers}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
@@ -390,10 +247,6 @@ class DecoderLM:
             f"norm={self.norm!r}, attention_only={self.attention_only}, "
             f"dtype={self.dtype.name}{options})"
         )
-
-    def _options(self) -> dict:
-        """The stability and sink options that are on (a model without them is the plain one)."""
-        return {name: getattr(self, name) for name in OPTIONS if getattr(self, name)}
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -462,26 +315,6 @@ class DecoderLM:
             d_x, grads[prefix + ".weight"] = rms_norm_backward(d_y, x, w)
         return d_x
 
-    def _check_tokens(self, tokens: ArrayLike, name: str) -> tuple[np.ndarray, bool]:
-        """Tokens as a ``(B, T)`` integer array, and whether a 1-D ``(T,)`` was given."""
-        arr = np.asarray(tokens)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"{name} must be an integer array of token ids; got dtype {arr.dtype}")
-        if arr.ndim not in (1, 2) or arr.shape[-1] == 0:
-            raise ValueError(
-                f"{name} must have shape (T,) or (B, T) with T >= 1; got {name}.shape={arr.shape}"
-            )
-        if arr.shape[-1] > self.max_len:
-            raise ValueError(
-                f"{name} holds T={arr.shape[-1]} tokens, more than max_len={self.max_len}"
-            )
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            bad = arr[(arr < 0) | (arr >= self.vocab_size)].flat[0]
-            raise ValueError(
-                f"{name} must hold token ids in [0, vocab_size={self.vocab_size}); got {bad}"
-            )
-        return (arr[None] if arr.ndim == 1 else arr), arr.ndim == 1
-
     def _embed(self, tokens: np.ndarray, start: int) -> np.ndarray:
         """Token embeddings plus absolute positions ``start, start + 1, ...``: ``(B, T, E)``."""
         x = self.params["token_embedding"][tokens]  # (B, T) -> (B, T, E), a copy
@@ -547,11 +380,13 @@ class DecoderLM:
             cache = _BlockCache(x, h) if keep else None
             q, k, v = self._qkv(i, h, 0, cache)
             if kv_transform is not None:
-                k, v = self._transformed(kv_transform, i, k, v)
+                k, v = checked_kv(kv_transform, i, k, v, self.dtype)
             if scores is not None:
                 scores.append(self._scores(q, k, attn_mask))
             # (B, Hq, T, Dk); the weights (B, Hq, T, T) and the lse (B, Hq, T), or None
-            out, a, lse = self._attention(i, q, k, v, attn_mask, return_attention, keep)
+            out, a, lse = self.attention.forward(
+                q, k, v, attn_mask, self._sinks(i), return_attention, keep
+            )
             if return_attention:
                 weights.append(a)
             heads = merge_heads(out)  # (B, Hq, T, Dk) -> (B, T, Hq Dk)
@@ -576,31 +411,6 @@ class DecoderLM:
         allowed = np.tril(np.ones((T, T), dtype=bool)) if attn_mask is None else attn_mask
         return np.where(allowed, z, q.dtype.type(-np.inf))
 
-    def _attention(self, i: int, q, k, v, attn_mask, return_weights: bool, return_lse: bool):
-        """Block ``i``'s causal attention, restricted further by ``attn_mask`` (a bool ``(T, T)``
-        that includes the causal mask) when given: ``(out, weights, lse)``, the last two None
-        unless asked for (the soft-capped path always returns them)."""
-        sinks = self._sinks(i)
-        if self.attn_softcap is not None:
-            T = q.shape[2]
-            allowed = np.tril(np.ones((T, T), dtype=bool)) if attn_mask is None else attn_mask
-            return softcapped_attention(q, k, v, self.attn_softcap, allowed, sinks)
-        result = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-            implementation=ATTENTION,
-            return_weights=return_weights,
-            return_lse=return_lse,
-            sinks=sinks,
-        )  # (B, Hq, T, Dk), then the weights (B, Hq, T, T) and lse (B, Hq, T) if asked
-        if not isinstance(result, tuple):
-            return result, None, None
-        return result[0], result[1] if return_weights else None, result[-1] if return_lse else None
-
     def _gate(self, i: int, h: np.ndarray) -> np.ndarray:
         """Block ``i``'s output gate ``sigmoid(h W_g)``, ``(B, T, Hq Dk)``."""
         return _sigmoid(h @ self.params[f"blocks.{i}.attn.w_g"])  # (B, T, E) @ (E, Hq Dk)
@@ -616,34 +426,6 @@ class DecoderLM:
         if self.logit_softcap is not None:
             logits = softcap(logits, self.logit_softcap)
         return logits
-
-    def _transformed(self, kv_transform, i: int, k: np.ndarray, v: np.ndarray):
-        """``kv_transform(i, k, v)``, checked: new arrays of the same shapes."""
-        result = kv_transform(i, k.copy(), v.copy())
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise TypeError(f"kv_transform must return a (keys, values) pair; got {result!r:.80}")
-        new_k, new_v = (np.asarray(a, dtype=self.dtype) for a in result)
-        if new_k.shape != k.shape or new_v.shape != v.shape:
-            raise ValueError(
-                f"kv_transform must keep the shapes {k.shape} and {v.shape}; got "
-                f"{new_k.shape} and {new_v.shape}"
-            )
-        return new_k, new_v
-
-    def _check_mask(self, attn_mask, T: int) -> np.ndarray | None:
-        if attn_mask is None:
-            return None
-        mask = np.asarray(attn_mask)
-        if mask.dtype != bool or mask.shape != (T, T):
-            raise ValueError(
-                f"attn_mask must be a boolean (T, T) = ({T}, {T}) array; got "
-                f"dtype {mask.dtype}, shape {mask.shape}"
-            )
-        if not (mask & np.tril(np.ones_like(mask))).any(axis=1).all():
-            raise ValueError(
-                "attn_mask leaves a query no key at or before it (with the causal mask)"
-            )
-        return mask
 
     def forward(
         self,
@@ -712,16 +494,9 @@ class DecoderLM:
         >>> bool(np.allclose(model.forward(np.array([3, 5, 6]))[0], logits[0]))
         True
         """
-        for name, flag in (
-            ("return_attention", return_attention),
-            ("return_scores", return_scores),
-        ):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name} must be a bool; got {flag!r}")
-        if kv_transform is not None and not callable(kv_transform):
-            raise TypeError(f"kv_transform must be callable; got {kv_transform!r:.80}")
-        tokens, one_d = self._check_tokens(tokens, "tokens")
-        mask = self._check_mask(attn_mask, tokens.shape[1])
+        check_flags(kv_transform, return_attention=return_attention, return_scores=return_scores)
+        tokens, one_d = check_tokens(tokens, "tokens", self.config)
+        mask = check_attn_mask(attn_mask, tokens.shape[1])
         scores = [] if return_scores else None
         logits, _, _, weights = self._forward(
             tokens,
@@ -773,7 +548,7 @@ class DecoderLM:
         Notes
         -----
         The backward pass runs the forward pass in reverse, one hand-derived rule per step
-        (``sdpa.nn.functional``), and the attention through
+        (``sdpa.nn.functional``, ``sdpa.nn.softcap``, ``sdpa.nn.losses``), and the attention through
         :func:`sdpa.scaled_dot_product_attention_backward`, which reuses the forward output
         and log-sum-exp instead of recomputing them (with ``attn_softcap``, through the
         written-out attention's own backward, which adds the cap's slope
@@ -800,18 +575,8 @@ class DecoderLM:
         >>> bool(np.isclose(grads["blocks.0.attn.w_q"][2, 3], (up - down) / 2e-6, rtol=1e-6))
         True
         """
-        tokens, _ = self._check_tokens(tokens, "tokens")
-        targets = np.asarray(targets)
-        if targets.dtype.kind not in "iu":
-            raise TypeError(
-                f"targets must be an integer array of token ids; got dtype {targets.dtype}"
-            )
-        if targets.ndim == 1:
-            targets = targets[None]
-        if targets.shape != tokens.shape:
-            raise ValueError(
-                f"targets must have the shape of tokens, {tokens.shape}; got {targets.shape}"
-            )
+        tokens, _ = check_tokens(tokens, "tokens", self.config)
+        targets = check_targets(targets, tokens)
         logits, x, caches, _ = self._forward(tokens, keep=True, return_attention=False)
         loss = cross_entropy(logits, targets)  # checks the range of the targets
         grads: dict[str, np.ndarray] = {}
@@ -860,26 +625,9 @@ class DecoderLM:
             d_h, grads[p + "attn.w_g"], _ = linear_backward(d_z, c.h, self.params[p + "attn.w_g"])
             d_heads = d_heads * c.gate
         d_out = split_heads(d_heads, self.n_heads)  # (B, T, Hq Dk) -> (B, Hq, T, Dk)
-        sinks = self._sinks(i)
-        if self.attn_softcap is not None:  # the written-out attention's own backward
-            d_q, d_k, d_v, d_sinks = softcapped_attention_backward(
-                d_out, c.q, c.k, c.v, self.attn_softcap, c.weights, c.lse, sinks
-            )  # d_sinks: (B, Hq, T), one per row, or None
-            d_sinks = None if d_sinks is None else d_sinks.sum(axis=(0, 2))  # -> (Hq,)
-        else:
-            d_q, d_k, d_v, *d_sinks = scaled_dot_product_attention_backward(
-                d_out,
-                c.q,
-                c.k,
-                c.v,
-                is_causal=True,
-                enable_gqa=self.n_kv_heads != self.n_heads,
-                out=c.out,
-                lse=c.lse,
-                implementation=ATTENTION,
-                sinks=sinks,
-            )  # with sinks, d_sinks = [(Hq, 1)], summed over the rows that share a logit
-            d_sinks = d_sinks[0][:, 0] if d_sinks else None  # -> (Hq,)
+        d_q, d_k, d_v, d_sinks = self.attention.backward(
+            d_out, c.q, c.k, c.v, c.out, c.weights, c.lse, self._sinks(i)
+        )
         if self.sink:
             grads[p + "attn.sink"] = d_sinks
         if self.positional == "rope":  # the transpose of a rotation is the opposite rotation
@@ -921,14 +669,7 @@ class DecoderLM:
             h = self._norm(x, p + "attn_norm")
             q, k, v = self._qkv(i, h, start)
             cache.append(i, k, v)  # the cache now holds S = start + T keys
-            sinks = self._sinks(i)
-            if self.attn_softcap is None:  # (B, Hq, T, Dk): causal, aligned bottom right
-                out = cache.attend(i, q, sinks=sinks)
-            else:  # written out: new query t, at position start + t, sees keys s <= start + t
-                T, S = q.shape[2], start + q.shape[2]
-                allowed = np.arange(S) <= start + np.arange(T)[:, None]  # (T, S)
-                keys, values = cache.keys(i), cache.values(i)  # (B, Hkv, S, Dk)
-                out = softcapped_attention(q, keys, values, self.attn_softcap, allowed, sinks)[0]
+            out = self.attention.decode(q, cache, i, start, self._sinks(i))  # (B, Hq, T, Dk)
             heads = merge_heads(out)  # (B, Hq, T, Dk) -> (B, T, Hq Dk)
             if self.output_gate:
                 heads = heads * self._gate(i, h)
@@ -1013,30 +754,10 @@ class DecoderLM:
         >>> bool(np.array_equal(out, model.generate(prompt, 5, temperature=0, use_cache=False)))
         True
         """
-        tokens, one_d = self._check_tokens(prompt, "prompt")
-        n_new = check_nonneg_int(max_new_tokens, "max_new_tokens")
-        if tokens.shape[1] + n_new > self.max_len:
-            raise ValueError(
-                f"the prompt's T0={tokens.shape[1]} tokens plus max_new_tokens={n_new} exceed "
-                f"max_len={self.max_len}"
-            )
-        if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, Real):
-            raise TypeError(f"temperature must be a real number; got {temperature!r}")
-        if not (np.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0; got {temperature!r}")
-        if top_k is not None:
-            top_k = check_nonneg_int(top_k, "top_k")
-            if not 1 <= top_k <= self.vocab_size:
-                raise ValueError(
-                    f"top_k must be in [1, vocab_size={self.vocab_size}] or None; got {top_k}"
-                )
-        if temperature > 0 and rng is None:
-            raise TypeError("sampling (temperature > 0) needs rng=np.random.default_rng(seed)")
-        if rng is not None:
-            check_rng(rng)
-        if not isinstance(use_cache, (bool, np.bool_)):
-            raise TypeError(f"use_cache must be a bool; got {use_cache!r}")
-
+        tokens, one_d = check_tokens(prompt, "prompt", self.config)
+        n_new = check_generation(
+            self.config, tokens.shape[1], max_new_tokens, temperature, top_k, rng, use_cache
+        )
         B, T0 = tokens.shape
         out = np.empty((B, T0 + n_new), dtype=np.int64)
         out[:, :T0] = tokens
@@ -1048,7 +769,7 @@ class DecoderLM:
         else:
             logits = self._forward(tokens, keep=False, return_attention=False)[0][:, -1]
         for t in range(T0, T0 + n_new):
-            out[:, t] = self._pick(logits, temperature, top_k, rng)
+            out[:, t] = pick_tokens(logits, temperature, top_k, rng)
             if t + 1 == T0 + n_new:
                 break
             if use_cache:
@@ -1057,20 +778,3 @@ class DecoderLM:
                 logits = self._forward(out[:, : t + 1], keep=False, return_attention=False)[0]
                 logits = logits[:, -1]
         return out[0] if one_d else out
-
-    @staticmethod
-    def _pick(logits: np.ndarray, temperature: float, top_k: int | None, rng) -> np.ndarray:
-        """One token per row of ``logits`` ``(B, V)``: greedy, or sampled by inverse CDF."""
-        if temperature == 0:
-            return np.argmax(logits, axis=-1)  # the lowest id among the largest logits
-        z = logits.astype(np.float64)  # (B, V)
-        if top_k is not None:
-            order = np.argsort(-z, axis=-1, kind="stable")  # (B, V), ties: lowest id first
-            kept = np.zeros(z.shape, dtype=bool)  # (B, V)
-            np.put_along_axis(kept, order[:, :top_k], True, axis=-1)  # exactly top_k per row
-            z = np.where(kept, z, -np.inf)
-        with np.errstate(over="ignore"):  # a tiny temperature: -inf for all but the largest
-            z = (z - z.max(axis=-1, keepdims=True)) / temperature  # (B, V), <= 0
-        cdf = np.cumsum(softmax(z, axis=-1), axis=-1)  # (B, V)
-        u = rng.random((z.shape[0], 1)) * cdf[:, -1:]
-        return np.minimum((cdf <= u).sum(axis=-1), z.shape[1] - 1)
