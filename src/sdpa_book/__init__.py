@@ -19,14 +19,11 @@ timing
 figures
     The figure style (applied on import: fonts, colours, SVG in notebooks) and colour roles.
 diagrams
-    Pictures of data flow drawn from a page's own arrays.
+    Pictures of data flow drawn from a page's own arrays (a GPU's thread blocks and a paged
+    cache's block tables among them).
 block_grid
     :func:`~sdpa_book.block_grid.block_kinds` (full, partial and empty tiles of a block mask) and
     :func:`~sdpa_book.block_grid.block_grid` (one panel of them).
-gpu_diagram
-    :func:`~sdpa_book.gpu_diagram.gpu_blocks_diagram`: thread blocks over query tiles.
-paged_diagram
-    :func:`~sdpa_book.paged_diagram.block_table_diagram`: sequences' blocks in a paged pool.
 sparse
     :func:`~sdpa_book.sparse.topic_sequence` (queries and keys with a known structure) and
     :func:`~sdpa_book.sparse.sparse_entries` (the entries block-sparse attention computes).

@@ -29,6 +29,10 @@ Diagrams
     value recomputed from the latent.
 :func:`transformer_block_diagram`
     The residual stream with pre-norm or post-norm sublayers.
+:func:`gpu_blocks_diagram`
+    A GPU's thread blocks over query tiles, and where their data lives.
+:func:`block_table_diagram`
+    Sequences' blocks in a paged pool, drawn from a live :class:`sdpa.PagedKVCache`.
 
 Drawing helpers
 ---------------
@@ -67,11 +71,13 @@ from .draw import (
     tagged_rects,
 )
 from .flash_loop import flash_loop_diagram
+from .gpu_blocks import gpu_blocks_diagram
 from .heads import grouped_heads_diagram, multihead_diagram
 from .kv_cache import kv_cache_diagram
 from .latent_attention import latent_attention_diagram
 from .masks import mask_geometry_diagram
 from .matrix import draw_matrix
+from .paged import block_table_diagram
 from .pipeline import attention_pipeline_diagram
 from .primitives import FAST_MEMORY, GRADIENT, NEUTRAL, SCORES, SLOW_MEMORY, Rect, text_size
 from .token_qkv import token_qkv_diagram
@@ -86,12 +92,14 @@ __all__ = [
     "Rect",
     "attention_pipeline_diagram",
     "backward_graph_diagram",
+    "block_table_diagram",
     "draw_arrow",
     "draw_box",
     "draw_bracket",
     "draw_matrix",
     "figure_texts",
     "flash_loop_diagram",
+    "gpu_blocks_diagram",
     "tagged_rects",
     "grouped_heads_diagram",
     "kv_cache_diagram",

@@ -1,4 +1,4 @@
-"""sdpa_book.gpu_diagram: thread blocks over query tiles, drawn from a page's sizes."""
+"""sdpa_book.diagrams: thread blocks over query tiles, drawn from a page's sizes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ matplotlib.use("Agg")
 from diagram_checks import arrow_ends, assert_legible, assert_reads_on_a_phone  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
-from sdpa_book.diagrams import figure_texts, tagged_rects  # noqa: E402
-from sdpa_book.gpu_diagram import gpu_blocks_diagram  # noqa: E402
+from sdpa_book.diagrams import (  # noqa: E402
+    figure_texts,
+    gpu_blocks_diagram,  # noqa: E402
+    tagged_rects,
+)
 
 # B = 2, H = 3, T = 700 in tiles of 128: ceil(700 / 128) = 6 tiles, 2 * 3 * 6 = 36 blocks, by
 # hand; the last block is (1, 2, 5). S, Dk, Dv all differ so a swapped shape cannot pass.

@@ -12,10 +12,10 @@ streaming multiprocessors (SMs) under it.
 
 from __future__ import annotations
 
-from .diagrams import FAST_MEMORY, SLOW_MEMORY, draw_arrow, draw_box, new_canvas, role_legend
-from .diagrams import text_size as _text_size
-from .diagrams.primitives import _positive_int
-from .figures import KEY, OUTPUT, QUERY, VALUE
+from ..figures import KEY, OUTPUT, QUERY, VALUE
+from .draw import draw_arrow, draw_box, new_canvas, role_legend
+from .primitives import FAST_MEMORY, SLOW_MEMORY, _positive_int
+from .primitives import text_size as _text_size
 
 __all__ = ["gpu_blocks_diagram"]
 

@@ -1,4 +1,4 @@
-"""sdpa_book.paged_diagram: block tables drawn from a live PagedKVCache."""
+"""sdpa_book.diagrams: block tables drawn from a live PagedKVCache."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from matplotlib.colors import to_hex  # noqa: E402
 
 from sdpa import PagedKVCache  # noqa: E402
 from sdpa_book.diagrams import figure_texts, tagged_rects  # noqa: E402
-from sdpa_book.paged_diagram import (  # noqa: E402
+from sdpa_book.diagrams.paged import (  # noqa: E402
     SEQUENCE_COLORS,
     SHARED_COLOR,
     block_table_diagram,

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from sdpa import PagedKVCache
 
-from .diagrams import new_canvas, role_legend, text_size
-from .figures import COLORS
+from ..figures import COLORS
+from .draw import new_canvas, role_legend
+from .primitives import text_size
 
 __all__ = ["SEQUENCE_COLORS", "SHARED_COLOR", "block_table_diagram"]
 
