@@ -199,6 +199,41 @@ def test_every_part_empty_gives_zeros_and_minus_inf_without_warnings():
     np.testing.assert_array_equal(lse, -np.inf)
 
 
+def test_an_lse_of_plus_inf_marks_an_empty_part_not_a_nan():
+    """+inf, a kernel's sentinel for a part with no keys, weighs like -inf: row 0 is the other
+    part alone, row 1 (both parts +inf) and row 2 (+inf and -inf) have no keys at all."""
+    lses = [np.array([0.3, np.inf, np.inf]), np.array([np.inf, np.inf, -np.inf])]
+    outs = [np.array([[1.0, 2.0], [4.0, 4.0], [5.0, 6.0]]), np.full((3, 2), 9.0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = merge_attention_states(outs, lses)
+    np.testing.assert_array_equal(out, [[1.0, 2.0], [0.0, 0.0], [0.0, 0.0]])
+    np.testing.assert_array_equal(lse, [0.3, -np.inf, -np.inf])
+    assert np.isposinf(lses[0][1:]).all() and np.isposinf(lses[1][:2]).all()  # not modified
+
+
+def test_one_part_with_an_lse_of_plus_inf_gets_minus_inf():
+    out, lse = merge_attention_states([np.array([[1.0], [2.0]])], [np.array([np.inf, 0.5])])
+    np.testing.assert_array_equal(out, [[1.0], [2.0]])  # P = 1: the part as it is
+    np.testing.assert_array_equal(lse, [-np.inf, 0.5])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lses_further_apart_than_the_largest_float_merge_without_warnings(dtype):
+    """3e38 - (-3e38) overflows float32 (1.5e308 twice, float64): the lower part's weight
+    exp(-inf) = 0 is right, so no RuntimeWarning; the merge is the upper part."""
+    big = dtype(0.85 * np.finfo(dtype).max)
+    outs = [np.array([[1.0, 2.0]], dtype), np.array([[7.0, 8.0]], dtype)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = merge_attention_states(outs, [np.array([big]), np.array([-big])])
+        swapped, lse_swapped = merge_attention_states(outs, [np.array([-big]), np.array([big])])
+    np.testing.assert_array_equal(out, [[1.0, 2.0]])
+    np.testing.assert_array_equal(lse, [big])
+    np.testing.assert_array_equal(swapped, [[7.0, 8.0]])
+    np.testing.assert_array_equal(lse_swapped, [big])
+
+
 def test_nan_in_an_lse_makes_only_its_row_nan():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -268,9 +268,61 @@ def test_cache_views_are_read_only(rng):
         cache.latent[0, 0, 0] = 5.0
 
 
+def test_a_decode_that_raises_leaves_the_cache_as_it_was(mla, x):
+    """A step whose scores overflow fails after its latents are made (and, before the fix,
+    stored): the cache keeps its length and contents, and the retry is a clean run's step."""
+    clean = mla.new_cache(batch_size=B, capacity=T)
+    mla.decode(x[:, :3], clean)
+    expected = mla.decode(x[:, 3:4], clean)  # the step at position 3, never interrupted
+
+    cache = mla.new_cache(batch_size=B, capacity=T)
+    mla.decode(x[:, :3], cache)
+    latent, rope_key = cache.latent.copy(), cache.rope_key.copy()
+    huge = np.full((B, 1, E), 1e160)  # finite latents (~1e160), scores ~1e320: beyond float64
+    with pytest.raises(ValueError, match=r"scores .* beyond the range of float64"):
+        mla.decode(huge, cache)
+    assert cache.length == 3
+    np.testing.assert_array_equal(cache.latent, latent)
+    np.testing.assert_array_equal(cache.rope_key, rope_key)
+    # the retry is at position 3, not 4
+    np.testing.assert_array_equal(mla.decode(x[:, 3:4], cache), expected)
+    np.testing.assert_allclose(expected, mla.forward(x[:, :4])[:, 3:], **TIGHT)
+    assert cache.length == 4
+
+
+def test_a_decode_into_a_full_cache_changes_nothing(rng, x):
+    mla = make(rng)
+    cache = mla.new_cache(batch_size=B, capacity=T - 1)
+    mla.decode(x[:, :5], cache)
+    latent = cache.latent.copy()
+    with pytest.raises(ValueError, match=r"holds 5 tokens of capacity=6; cannot append T=2"):
+        mla.decode(x[:, 5:], cache)
+    assert cache.length == 5
+    np.testing.assert_array_equal(cache.latent, latent)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors: one test per raise
 # ---------------------------------------------------------------------------------------------
+
+
+def test_cache_append_beyond_its_dtype_raises_and_changes_nothing():
+    """1e39 does not fit in float32 (largest 3.4e38): refused, as PagedKVCache refuses it,
+    instead of stored as inf; the cache is unchanged."""
+    cache = LatentKVCache(batch_size=1, d_latent=2, d_rope=2, capacity=3, dtype=np.float32)
+    cache.append(np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+    with pytest.raises(
+        ValueError,
+        match=r"latent must fit in float32, the cache's dtype .*got 1e\+39, which would become \+inf",
+    ):
+        cache.append(np.array([[[1.0, 1e39]]]), np.ones((1, 1, 2)))
+    with pytest.raises(ValueError, match=r"rope_key must fit in float32, .*got -1e\+39"):
+        cache.append(np.ones((1, 1, 2)), np.array([[[-1e39, 0.0]]]))
+    assert cache.length == 1
+    np.testing.assert_array_equal(cache.latent, np.ones((1, 1, 2)))
+    # float64 values that round to float32's largest are stored as it, not refused
+    cache.append(np.full((1, 1, 2), 3.4028235e38), np.zeros((1, 1, 2)))
+    np.testing.assert_array_equal(cache.latent[0, 1], np.finfo(np.float32).max)
 
 
 def test_odd_rope_width_raises(rng):

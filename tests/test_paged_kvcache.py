@@ -310,6 +310,80 @@ def test_attend_passes_every_keyword_on(rng):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(("Dk", "Dv"), [(0, DV), (DK, 0), (0, 0)])
+def test_widths_of_zero_work_like_the_other_paths(rng, Dk, Dv):
+    """Keys of width 0 give scores of 0, so each query weighs the 5 visible tokens equally
+    (lse = log 5); values of width 0 give outputs of width 0. The tokens span 3 blocks."""
+    cache = PagedKVCache(6, 2, HKV, Dk, Dv, dtype=np.float64)
+    seq = cache.new_sequence()
+    key, value = tokens(rng, 5, Dk=Dk, Dv=Dv)
+    cache.append(seq, key, value)
+    K, V = cache.keys_values(seq)
+    assert K.shape == (HKV, 5, Dk) and V.shape == (HKV, 5, Dv)
+    np.testing.assert_array_equal(V, value)
+    out, lse = cache.attend(seq, np.zeros((HKV, 2, Dk)), return_lse=True)
+    assert out.shape == (HKV, 2, Dv)
+    np.testing.assert_allclose(out, np.broadcast_to(value.mean(axis=1, keepdims=True), out.shape),
+                               rtol=1e-15, atol=1e-15)  # fmt: skip
+    np.testing.assert_allclose(lse, math.log(5.0), rtol=1e-15)
+    empty = cache.new_sequence()
+    assert cache.keys_values(empty)[0].shape == (HKV, 0, Dk)
+
+
+@pytest.mark.parametrize(
+    ("pool", "source", "largest", "boundary"),
+    [
+        # float16: 65504 and half its unit in the last place, 32 / 2
+        (np.float16, np.float64, 65504.0, 65520.0),
+        # float32: (2 - 2^-23) 2^127 and half of 2^104
+        (np.float32, np.float64, (2 - 2.0**-23) * 2.0**127, 2.0**128 - 2.0**103),
+    ],
+)
+def test_values_that_round_to_the_pools_largest_are_kept_and_from_half_an_ulp_on_refused(
+    pool, source, largest, boundary
+):
+    """The range check follows the dtype's rounding: below largest + half an ulp a value
+    rounds to largest (accepted, stored as it); from there on it rounds to inf (refused)."""
+    cache = PagedKVCache(4, 2, 1, 2, 1, dtype=pool)
+    seq = cache.new_sequence()
+    below = np.nextafter(source(boundary), 0)
+    keys = np.array([[[below, -below], [largest, 1.0]]], dtype=source)  # (1, 2, 2)
+    cache.append(seq, keys, np.zeros((1, 2, 1)))
+    np.testing.assert_array_equal(cache.keys_values(seq)[0], [[[largest, -largest], [largest, 1]]])
+    for bad in (boundary, -boundary):
+        with pytest.raises(ValueError, match=r"key must fit in float..+ which would become"):
+            cache.append(seq, np.array([[[bad, 0.0]]], dtype=source), np.zeros((1, 1, 1)))
+    assert cache.length(seq) == 2
+
+
+def test_float16_boundary_by_hand():
+    """65519.99 rounds to 65504 in float16 and is kept; 65520 would be inf and is refused."""
+    cache = PagedKVCache(2, 2, 1, 1, dtype=np.float16)
+    seq = cache.new_sequence()
+    cache.append(seq, np.array([[[np.float64(65519.99)]]]), np.zeros((1, 1, 1)))
+    assert cache.keys_values(seq)[0][0, 0, 0] == 65504.0
+    with pytest.raises(ValueError, match=r"key must fit in float16, .*got 6.552e\+04"):
+        cache.append(seq, np.array([[[65520.0]]]), np.zeros((1, 1, 1)))
+
+
+@pytest.mark.skipif(
+    np.finfo(np.longdouble).max <= np.finfo(np.float64).max,
+    reason="long double is float64 here: nothing beyond float64 to refuse",
+)
+def test_long_double_values_beyond_a_float64_pool():
+    """float64's largest is (2 - 2^-52) 2^1023; half its ulp is 2^970."""
+    ld = np.longdouble
+    largest = ld(np.finfo(np.float64).max)
+    boundary = ld(2) ** 1024 - ld(2) ** 970
+    cache = PagedKVCache(2, 2, 1, 1, dtype=np.float64)
+    seq = cache.new_sequence()
+    cache.append(seq, np.array([[[np.nextafter(boundary, ld(0))]]]), np.zeros((1, 1, 1)))
+    assert cache.keys_values(seq)[0][0, 0, 0] == largest
+    with pytest.raises(ValueError, match=r"key must fit in float64, the cache's dtype"):
+        cache.append(seq, np.array([[[boundary]]]), np.zeros((1, 1, 1)))
+    assert cache.length(seq) == 1
+
+
 def test_float16_pool_stores_float16(rng):
     cache = PagedKVCache(4, 4, HKV, DK, DV, dtype=np.float16)
     seq = cache.new_sequence()

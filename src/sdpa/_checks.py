@@ -127,13 +127,16 @@ def check_range(x: np.ndarray, dtype, name: str, why: str = "") -> None:
     Casting such an entry would silently give ``inf`` (with a NumPy warning). ``why`` says why
     ``dtype`` matters, e.g. ``", the cache's dtype"``. Entries that are already infinite are
     left to the caller's own rules.
+
+    The test is the cast itself, so it follows the dtype's rounding: an entry just beyond the
+    largest finite value rounds down to it and is accepted (float16: up to 65520, half a unit
+    in the last place above 65504, excluded), one from there on becomes ``inf`` and is refused.
     """
     dtype = np.dtype(dtype)
     if x.size == 0 or x.dtype.kind != "f" or np.finfo(x.dtype).max <= np.finfo(dtype).max:
         return
-    limit = float(np.finfo(dtype).max)
-    with np.errstate(invalid="ignore"):
-        big = (np.abs(x) > limit) & np.isfinite(x)
+    with np.errstate(over="ignore"):  # the overflow is what we look for
+        big = np.isinf(x.astype(dtype)) & np.isfinite(x)
     if big.any():
         worst = float(x[big][np.argmax(np.abs(x[big]))])
         raise range_error(name, dtype, worst, why)

@@ -68,6 +68,14 @@ def _check_parts(outputs: list[np.ndarray], lses: list[np.ndarray]) -> None:
             )
 
 
+def _empty_as_minus_inf(lse: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``lse`` in ``dtype`` (a copy) with ``+inf``, a kernel's mark of a part with no keys,
+    as ``-inf``, the log of its empty sum."""
+    lse = lse.astype(dtype, copy=True)
+    lse[np.isposinf(lse)] = -np.inf
+    return lse
+
+
 def merge_attention_states(
     outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -113,11 +121,15 @@ def merge_attention_states(
 
     A part whose ``lse`` is ``-inf`` (it holds no key the query may attend) contributes
     nothing, whatever its output holds; a row in which every part is ``-inf`` gets
-    ``out = 0`` and ``lse = -inf``, with no NaN and no warning. A NaN in a part's ``lse``
-    makes the row's ``out`` and ``lse`` NaN (NaN in, NaN out); so does ``+inf``, which no
-    finite scores give. The arithmetic is in float32 at least (float64 for float64 inputs), so
+    ``out = 0`` and ``lse = -inf``, with no NaN and no warning. An ``lse`` of ``+inf``, which
+    no finite scores give, counts as ``-inf`` too: split-KV kernels write it as their sentinel
+    for a part with no keys (vLLM's merge kernel and its test map ``+inf`` to ``-inf``), so
+    such a part is empty, not infinitely heavy. A NaN in a part's ``lse`` makes the row's
+    ``out`` and ``lse`` NaN (NaN in, NaN out). Parts whose ``lse`` differ by more than the
+    dtype's largest finite number (``3e38`` and ``-3e38`` in float32) merge without a warning:
+    the smaller one's weight is 0, as it should be. The arithmetic is in float32 at least (float64 for float64 inputs), so
     float16 outputs lose nothing beyond their own rounding. ``P = 1`` returns the part as it
-    is (copied, the ``lse`` at least float32). The order of the parts does not matter, up to
+    is (copied, the ``lse`` at least float32, ``+inf`` in it as ``-inf``). The order of the parts does not matter, up to
     rounding: the merge is associative, so parts can be merged in a tree, or passed around
     a ring, as well as all at once. Attention sinks belong to exactly one part (include them
     in one call only), since each part's ``lse`` would count them.
@@ -155,13 +167,15 @@ def merge_attention_states(
     out_dtype = np.result_type(*outputs)
     lse_dtype = np.promote_types(np.result_type(*lses), np.float32)
     if len(outputs) == 1:
-        return outputs[0].astype(out_dtype, copy=True), lses[0].astype(lse_dtype, copy=True)
+        return outputs[0].astype(out_dtype, copy=True), _empty_as_minus_inf(lses[0], lse_dtype)
     work = np.promote_types(np.result_type(out_dtype, lse_dtype), np.float32)
-    lse_parts = [x.astype(work, copy=False) for x in lses]
+    lse_parts = [_empty_as_minus_inf(x, work) for x in lses]
     m = np.maximum.reduce(lse_parts)  # (..., T): NaN if a part's is NaN
-    ordinary = np.isfinite(m)  # False: every part -inf (no key at all), or NaN or +inf met
+    ordinary = np.isfinite(m)  # False: every part -inf (no key at all), or NaN met
     shift = np.where(ordinary, m, 0).astype(work, copy=False)
-    with np.errstate(invalid="ignore"):  # -inf - -inf in the rows that are not ordinary
+    # invalid: -inf - -inf in the rows that are not ordinary; over: a part more than finfo.max
+    # below the largest gives -inf, whose exp is its right weight, 0
+    with np.errstate(invalid="ignore", over="ignore"):
         weights = [np.exp(np.where(ordinary, x - shift, -np.inf)) for x in lse_parts]
     total = np.sum(weights, axis=0)  # (..., T): >= 1 in ordinary rows (the largest part's 1)
     inv = np.zeros_like(total)
@@ -172,7 +186,7 @@ def merge_attention_states(
         # a part adds nothing to the rows it has no share in, not even 0 * NaN
         out += np.where(share > 0, out_p, 0) * share
     lse = np.where(ordinary, m + np.log(np.where(ordinary, total, 1)), -np.inf)
-    special = np.isnan(m) | np.isposinf(m)  # NaN in, NaN out
+    special = np.isnan(m)  # NaN in, NaN out
     if special.any():
         out[special] = np.nan
         lse = np.where(special, np.nan, lse)

@@ -110,6 +110,10 @@ class PagedKVCache:
     **Sequence ids** are integers handed out by :meth:`new_sequence` and :meth:`fork`, never
     reused: an id that was freed, or never handed out, raises ``KeyError``.
 
+    **Empty widths.** ``head_dim = 0`` or ``value_dim = 0`` is allowed, as in
+    :func:`sdpa.scaled_dot_product_attention`: keys of width 0 give scores of 0 (each query
+    spreads its weight evenly), values of width 0 give outputs of width 0.
+
     Examples
     --------
     A pool of 8 blocks of 4 slots. A prompt of 6 tokens takes 2 blocks (the second half
@@ -532,8 +536,10 @@ class PagedKVCache:
         for pool in (self._keys, self._values):
             blocks = pool[table]  # (n_blocks, Hkv, block_size, D): a copy
             D = pool.shape[-1]
-            # (n_blocks, Hkv, block_size, D) -> (Hkv, n_blocks * block_size, D) -> (Hkv, L, D)
-            tokens = blocks.transpose(1, 0, 2, 3).reshape(self.n_kv_heads, -1, D)
+            # (n_blocks, Hkv, block_size, D) -> (Hkv, n_blocks * block_size, D) -> (Hkv, L, D);
+            # the slots counted, not -1: with D = 0 there is nothing to infer them from
+            slots = len(table) * self.block_size
+            tokens = blocks.transpose(1, 0, 2, 3).reshape(self.n_kv_heads, slots, D)
             result.append(np.ascontiguousarray(tokens[:, :L]))
         return result[0], result[1]
 

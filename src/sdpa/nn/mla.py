@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._checks import as_float_array, check_positive_int, check_rng
+from .._checks import as_float_array, check_positive_int, check_range, check_rng
 from ..attention import scaled_dot_product_attention
 from ..backward import scaled_dot_product_attention_backward
 from ..multihead import merge_heads, split_heads
@@ -132,8 +132,14 @@ class LatentKVCache:
         Raises
         ------
         ValueError
-            If a shape is not the expected one or the cache would exceed its capacity.
+            If a shape is not the expected one, the cache would exceed its capacity, or a
+            finite entry does not fit in the cache's dtype (it would become ``inf``); the
+            cache is then unchanged.
         """
+        self._store(*self._checked(latent, rope_key))
+
+    def _checked(self, latent: ArrayLike, rope_key: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """``latent`` and ``rope_key`` checked for an append, in the cache's dtype."""
         latent = as_float_array(latent, "latent")
         rope_key = as_float_array(rope_key, "rope_key")
         B, Dc, Dr = self.batch_size, self.d_latent, self.d_rope
@@ -153,6 +159,13 @@ class LatentKVCache:
                 f"the cache holds {self.length} tokens of capacity={self.capacity}; "
                 f"cannot append T={T} more"
             )
+        check_range(latent, self.dtype, "latent", ", the cache's dtype")
+        check_range(rope_key, self.dtype, "rope_key", ", the cache's dtype")
+        return latent.astype(self.dtype, copy=False), rope_key.astype(self.dtype, copy=False)
+
+    def _store(self, latent: np.ndarray, rope_key: np.ndarray) -> None:
+        """Write checked tokens (from :meth:`_checked`) after the ones held; cannot fail."""
+        T = latent.shape[1]
         self._latent[:, self.length : self.length + T] = latent
         self._rope_key[:, self.length : self.length + T] = rope_key
         self.length += T
@@ -527,8 +540,9 @@ class MultiHeadLatentAttention:
     def decode(self, x: ArrayLike, cache: LatentKVCache) -> np.ndarray:
         r"""The output for new tokens in the absorbed form, attending over a latent cache.
 
-        Appends the new tokens' latents and RoPE keys to ``cache``, then attends over all the
-        cached tokens without ever forming per-head keys or values.
+        Attends over the cached tokens and the new ones without ever forming per-head keys or
+        values, then appends the new tokens' latents and RoPE keys to ``cache``: a call that
+        raises leaves the cache as it was.
 
         Parameters
         ----------
@@ -590,13 +604,15 @@ class MultiHeadLatentAttention:
         T, start = x.shape[1], cache.length
         positions = np.arange(start, start + T)
         c_q, _, q_rope = self._queries(x, positions)
-        c_kv, k_rope = self._latent_and_rope_key(x, positions)
-        cache.append(c_kv, k_rope)
+        # checked (capacity, range) and in the cache's dtype, but stored only once all went well
+        c_kv, k_rope = cache._checked(*self._latent_and_rope_key(x, positions))
+        latent = np.concatenate([cache.latent, c_kv], axis=1)  # (B, S, Dc): old and new tokens
+        rope_key = np.concatenate([cache.rope_key, k_rope], axis=1)  # (B, S, Dr)
         w_q_latent, w_o_latent = self.absorbed_weights()
         q_latent = np.einsum("bta,hac->bhtc", c_q, w_q_latent)  # (B, H, T, Dc)
         query = np.concatenate([q_latent, q_rope], axis=-1)  # (B, H, T, Dc + Dr)
-        key = np.concatenate([cache.latent, cache.rope_key], axis=-1)[:, None]  # (B, 1, S, .)
-        value = cache.latent[:, None]  # (B, 1, S, Dc)
+        key = np.concatenate([latent, rope_key], axis=-1)[:, None]  # (B, 1, S, Dc + Dr)
+        value = latent[:, None]  # (B, 1, S, Dc)
         out_latent = scaled_dot_product_attention(
             query,
             key,
@@ -607,4 +623,6 @@ class MultiHeadLatentAttention:
             enable_gqa=True,
             implementation="reference",
         )  # (B, H, T, Dc): each head's weighted sum of latents
-        return np.einsum("bhtc,hce->bte", out_latent, w_o_latent)  # (B, T, E)
+        y = np.einsum("bhtc,hce->bte", out_latent, w_o_latent)  # (B, T, E)
+        cache._store(c_kv, k_rope)  # last: a call that raised has changed nothing
+        return y
