@@ -784,6 +784,23 @@ def test_float_mask_with_nan_or_plus_inf_raises(bad):
         scaled_dot_product_attention(*q_k_v(), bias)
 
 
+def test_a_float64_bias_that_rounds_to_float32s_largest_is_kept():
+    # float32's largest is (2 - 2**-23) * 2**127; a float64 below it + half an ulp (2**103)
+    # rounds down to it, and from that half ulp on becomes inf.
+    top = float(np.finfo(np.float32).max)
+    q, k, v = (a.astype(np.float32) for a in q_k_v())
+    for sign in (1.0, -1.0):
+        kept = np.zeros(S)
+        kept[:-1] = sign * (top + 2.0**103 - 2.0**80)  # every key but the last, equal
+        out = scaled_dot_product_attention(q, k, v, kept[None], implementation="reference")
+        expected = v[..., :-1, :].mean(axis=-2) if sign > 0 else v[..., -1, :]
+        np.testing.assert_allclose(out[..., 0, :], expected, rtol=1e-5, atol=1e-6)
+        refused = np.zeros(S)
+        refused[1] = sign * (top + 2.0**103)
+        with pytest.raises(ValueError, match="attn_mask"):
+            scaled_dot_product_attention(q, k, v, refused)
+
+
 @pytest.mark.parametrize("which", ["query", "key", "value"])
 @pytest.mark.parametrize("dtype", [complex, object])
 def test_complex_and_object_inputs_raise(which, dtype):

@@ -229,7 +229,9 @@ def _check_mask(attn_mask, full_heads_shape: tuple[int, ...], work_dtype: np.dty
         finite = mask[np.isfinite(mask)]
         lo = finite.min() if finite.size else 0.0
         hi = finite.max() if finite.size else 0.0
-    if max(-float(lo), float(hi)) > float(np.finfo(work_dtype).max):
+    with np.errstate(over="ignore"):  # the cast itself: what rounds to the largest is kept
+        beyond = np.isinf(np.array([lo, hi]).astype(work_dtype)).any()
+    if beyond:
         worst = float(lo) if -float(lo) > float(hi) else float(hi)
         raise range_error(
             "attn_mask",
