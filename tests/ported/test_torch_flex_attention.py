@@ -527,3 +527,206 @@ def test_each_mod_on_both_paths_against_torch_flex_attention(torch, case, rng):
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(t_lse), err_msg=what)
         np.testing.assert_allclose(out, t_out, err_msg=what, **TOL)
         np.testing.assert_allclose(lse, t_lse, err_msg=what, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block masks: PyTorch's sparsity numbers, each computed by hand here
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_empty_blocks(n: int, shift: int = 0) -> int:
+    """Empty blocks of an ``n x n`` causal block grid whose queries are ``shift`` blocks ahead:
+    block ``(m, c)`` is empty when ``c > m + shift``, so row ``m`` has ``n - 1 - m - shift``."""
+    return sum(max(0, n - 1 - m - shift) for m in range(n))
+
+
+def test_causal_2048_in_blocks_of_128():
+    mask = create_block_mask(generate_causal_mask(), None, None, 2048, 2048)
+    n = 16
+    assert causal_empty_blocks(n) == n * (n - 1) // 2 == 120
+    assert mask.shape == (1, 1, 2048, 2048) and mask.BLOCK_SIZE == (128, 128)
+    assert mask.sparsity() == 100 * 120 / 256 == 46.875
+    assert (
+        repr(mask) == "BlockMask(shape=(1, 1, 2048, 2048), BLOCK_SIZE=(128, 128), sparsity=46.88%)"
+    )
+    np.testing.assert_array_equal(mask.to_dense()[0, 0], np.tri(n, dtype=bool))
+    np.testing.assert_array_equal(mask.kv_num_blocks[0, 0], np.ones(n))  # the diagonal
+    np.testing.assert_array_equal(mask.kv_indices[0, 0, :, 0], np.arange(n))
+    np.testing.assert_array_equal(mask.full_kv_num_blocks[0, 0], np.arange(n))
+    for m in range(n):
+        np.testing.assert_array_equal(mask.full_kv_indices[0, 0, m, :m], np.arange(m))
+
+
+def test_a_mask_of_every_batch_entry_and_head_keeps_its_sparsity():
+    mask = create_block_mask(generate_causal_offset(np.zeros(4, int), 128), 4, 2, 2048, 2048)
+    assert mask.shape == (4, 2, 2048, 2048)
+    assert mask.kv_num_blocks.shape == (4, 2, 16) and mask.kv_indices.shape == (4, 2, 16, 16)
+    assert mask.sparsity() == 46.875
+    for b, h in np.ndindex(4, 2):  # PyTorch's block_mask[b, h].sparsity()
+        assert 100 * np.mean(mask.kinds[b, h] == 0) == 46.875
+
+
+def test_a_per_batch_offset_makes_each_entry_less_sparse():
+    # batch entry b: queries 128 b positions ahead, so b blocks more below the diagonal
+    mask = create_block_mask(generate_causal_offset(np.arange(8), 128), 8, None, 2048, 2048)
+    per_batch = [causal_empty_blocks(16, b) for b in range(8)]
+    assert per_batch == [120, 105, 91, 78, 66, 55, 45, 36]
+    assert sum(per_batch) == 596
+    assert mask.sparsity() == 100 * 596 / (8 * 256) == 29.1015625
+    assert "sparsity=29.10%" in repr(mask)
+    sparsity = [100 * np.mean(mask.kinds[b] == 0) for b in range(8)]
+    np.testing.assert_allclose(sparsity, 100 * np.array(per_batch) / 256, rtol=0, atol=0)
+    assert mask.sparsity() < sparsity[0] and sparsity[0] > sparsity[1]
+
+
+def test_masks_combined_by_and_and_or():
+    causal, anti = generate_causal_mask(), generate_strictly_anticausal_mask()
+    window = create_block_mask(and_masks(causal, generate_window_mask(512)), 1, 1, 2048, 2048)
+    # 128-blocks: the 16 diagonal blocks and the 12 four blocks below (q - kv from 385 to 639)
+    # are partial; the 15 + 14 + 13 one to three blocks below are full
+    assert window.kv_num_blocks.sum() == 16 + 12 == 28
+    assert window.full_kv_num_blocks.sum() == 15 + 14 + 13
+    assert window.sparsity() == 100 * (256 - 28 - 42) / 256
+    nothing = create_block_mask(and_masks(causal, anti), 1, 1, 2048, 2048)
+    assert nothing.kv_num_blocks.sum() == 0 and nothing.full_kv_num_blocks.sum() == 0
+    assert nothing.sparsity() == 100.0
+    everything = create_block_mask(or_masks(causal, anti), 1, 1, 2048, 2048)
+    noop = create_block_mask(generate_noop_mask(), 1, 1, 2048, 2048)
+    assert everything.sparsity() == noop.sparsity() == 0.0
+    np.testing.assert_array_equal(everything.full_kv_num_blocks, np.full((1, 1, 16), 16))
+
+
+@pytest.mark.parametrize("BLOCK_SIZE", [32, 64, 128, 256, (32, 64), (64, 32)])
+def test_block_size_changes(BLOCK_SIZE):
+    mask = create_block_mask(generate_noop_mask(), 4, 2, 2048, 2048, BLOCK_SIZE=BLOCK_SIZE)
+    q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE,) * 2
+    assert mask.BLOCK_SIZE == (q_block, kv_block)
+    assert mask.shape == (4, 2, 2048, 2048)
+    n_q, n_kv = 2048 // q_block, 2048 // kv_block
+    np.testing.assert_array_equal(mask.full_kv_num_blocks, np.full((4, 2, n_q), n_kv))
+    np.testing.assert_array_equal(mask.kv_num_blocks, np.zeros((4, 2, n_q)))
+    assert mask.sparsity() == 0.0
+
+
+SEQ_127 = np.arange(512) // 127  # PyTorch's test_compiling_create_block_mask
+
+
+def test_causal_documents_of_127_in_blocks_of_128():
+    seq = SEQ_127
+    mask = create_block_mask(
+        lambda b, h, q, kv: (q >= kv) & (seq[q] == seq[kv]), 1, 1, 512, 512
+    )  # fmt: skip
+    # Documents start at 127, 254, 381, 508. Diagonal blocks: partial (causal). Block (m, m-1):
+    # query 128 m and key 128 m - 1 share a document, query 128 m and key 128 (m - 1) do not:
+    # partial. Two blocks below the diagonal, no document spans both: empty.
+    want = np.tri(4, dtype=int) - np.tri(4, k=-2, dtype=int)
+    np.testing.assert_array_equal(mask.kinds[0, 0], want)
+    np.testing.assert_array_equal(mask.kv_num_blocks[0, 0], [1, 2, 2, 2])
+    np.testing.assert_array_equal(mask.full_kv_num_blocks[0, 0], [0, 0, 0, 0])
+    assert mask.kv_indices.shape == (1, 1, 4, 4)
+    assert mask.sparsity() == 100 * 9 / 16
+
+
+def generate_documents_of_127(ops=NUMPY):
+    seq = ops.asarray(SEQ_127)
+    return named("documents_of_127", lambda b, h, q, kv: (q >= kv) & (seq[q] == seq[kv]))
+
+
+# (generator(ops) -> mask_mod, B) at 512 x 512 in blocks of 64
+TABLE_MASKS = {
+    "causal": (generate_causal_mask, None),
+    "sliding_window": (lambda ops: generate_sliding_window(100, ops), None),
+    "prefix_lm": (lambda ops: generate_prefix_lm(200, ops), None),
+    "document": (lambda ops: generate_document_mask([100, 300, 112], ops), None),
+    "documents_of_127": (generate_documents_of_127, None),
+    "causal_offset": (lambda ops: generate_causal_offset([0, 1, 3], 64, ops), 3),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", list(TABLE_MASKS))
+def test_block_tables_match_torch(torch, name):
+    # divisible lengths, where PyTorch's padding plays no part: the same tables
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+
+    generate, B = TABLE_MASKS[name]
+    ours = create_block_mask(generate(NUMPY), B, None, 512, 512, BLOCK_SIZE=64)
+    theirs = torch_block_mask(
+        generate(torch_ops(torch)), B, None, 512, 512, device="cpu", BLOCK_SIZE=64
+    )
+    assert ours.sparsity() == pytest.approx(theirs.sparsity(), abs=1e-12)
+    np.testing.assert_array_equal(ours.to_dense(), theirs.to_dense().numpy() > 0)
+    for nums, indices in (
+        ("kv_num_blocks", "kv_indices"),
+        ("full_kv_num_blocks", "full_kv_indices"),
+    ):
+        n, ours_i = getattr(ours, nums), getattr(ours, indices)
+        theirs_n, theirs_i = getattr(theirs, nums).numpy(), getattr(theirs, indices).numpy()
+        np.testing.assert_array_equal(n, theirs_n, err_msg=nums)
+        for b, h, m in np.ndindex(n.shape):  # the first n entries are the meaningful ones
+            used = slice(0, n[b, h, m])
+            np.testing.assert_array_equal(ours_i[b, h, m, used], theirs_i[b, h, m, used])
+
+
+# ---------------------------------------------------------------------------------------------
+# Lengths that are not multiples of the block, and fully masked rows
+# ---------------------------------------------------------------------------------------------
+
+SEQ_1023 = np.arange(1023) // 128  # PyTorch's test_block_mask_non_divisible
+
+
+def generate_documents_of_128(ops=NUMPY):
+    seq = ops.asarray(SEQ_1023)
+    return named("documents_of_128", lambda b, h, q, kv: seq[q] == seq[kv])
+
+
+@pytest.mark.torch
+def test_documents_over_1023_positions(torch, rng):
+    mask = create_block_mask(generate_documents_of_128(), None, None, 1023, 1023)
+    # document m is block m exactly: the 8 diagonal blocks full (the last one 127 x 127, which
+    # sdpa counts as full; PyTorch pads it and calls it partial), the other 56 empty
+    np.testing.assert_array_equal(mask.kinds[0, 0], 2 * np.eye(8, dtype=int))
+    assert mask.sparsity() == 100 * 56 / 64
+    q, k, v = (rng.standard_normal((1, 2, 1023, 8)) for _ in range(3))
+    # the float64 formula with the mask written out
+    allowed = SEQ_1023[:, None] == SEQ_1023[None, :]
+    scores = np.where(allowed, q @ k.swapaxes(-1, -2) / math.sqrt(8), -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - top)
+    want_out = weights @ v / weights.sum(axis=-1, keepdims=True)
+    want_lse = top[..., 0] + np.log(weights.sum(axis=-1))
+    t_out, t_lse, t_mask = torch_flex(
+        torch, q, k, v, None, generate_documents_of_128(torch_ops(torch)), None, None, 128, False
+    )
+    np.testing.assert_array_equal(mask.to_dense(), t_mask.to_dense().numpy() > 0)
+    np.testing.assert_array_equal(t_mask.kv_num_blocks.numpy()[0, 0], [0] * 7 + [1])
+    for implementation in PATHS:
+        out, lse = flex_attention(
+            q, k, v, block_mask=mask, return_lse=True, implementation=implementation
+        )
+        np.testing.assert_allclose(out, want_out, err_msg=implementation, **TOL)
+        np.testing.assert_allclose(lse, want_lse, err_msg=implementation, **TOL)
+        np.testing.assert_allclose(out, t_out, err_msg=implementation, **TOL)
+        np.testing.assert_allclose(lse, t_lse, err_msg=implementation, **TOL)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("implementation", PATHS)
+def test_fully_masked_rows_are_exactly_zero_with_lse_minus_inf(torch, rng, implementation):
+    # PyTorch's test_fully_masked_out_rows_0_check: queries from M on attend nothing
+    B, H, T, M = 2, 3, 37, 18
+    q, k, v = (rng.standard_normal((B, H, T, 8)) for _ in range(3))
+    mask = create_block_mask(generate_first_rows_mask(M), B, None, T, T, BLOCK_SIZE=16)
+    out, lse = flex_attention(
+        q, k, v, block_mask=mask, return_lse=True, implementation=implementation
+    )
+    np.testing.assert_array_equal(out[:, :, M:], 0.0)
+    np.testing.assert_array_equal(lse[:, :, M:], -np.inf)
+    assert np.isfinite(out).all() and np.isfinite(lse[:, :, :M]).all()
+    t_out, t_lse, _ = torch_flex(
+        torch, q, k, v, None, generate_first_rows_mask(M, torch_ops(torch)), B, None, 16, False
+    )
+    np.testing.assert_array_equal(t_out[:, :, M:], 0.0)
+    np.testing.assert_array_equal(t_lse[:, :, M:], -np.inf)
+    np.testing.assert_allclose(out, t_out, **TOL)
+    np.testing.assert_allclose(lse[:, :, :M], t_lse[:, :, :M], **TOL)
