@@ -21,9 +21,10 @@ and the shared-prefix cascade). Written anew in NumPy; what was kept and changed
   grids; 2048 rows -> 512, 100 states kept with fewer rows and heads; the cascade's sizes
   picked from its grid, not all combined), their tolerance
   (1e-3) for ``v``; tighter for ``s`` (1e-5), which sdpa computes in float32. The cascade:
-  decode and append stages, shared prefix then unique keys, ``causal=False``; the paged
-  cache and the multi-level wrapper it is compared with upstream are FlashInfer's kernels,
-  so here the merge is compared with one attention call over the concatenated keys.
+  decode and append stages, shared prefix then unique keys, ``causal=False``, pages of 1
+  and 16 tokens (through ``sdpa.PagedKVCache``, each request's whole sequence a fork of the
+  prefix). Upstream compares two of FlashInfer's cascade kernels with each other; here the
+  merge is compared with one attention call over the prefix and the request's keys.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import math
 import numpy as np
 import pytest
 
-from sdpa import merge_attention_states, scaled_dot_product_attention
+from sdpa import PagedKVCache, merge_attention_states, scaled_dot_product_attention
 
 LN2 = math.log(2.0)
 V_TOL = dict(rtol=1e-3, atol=1e-3)  # FlashInfer's, for float16 v
@@ -224,3 +225,31 @@ def test_shared_prefix_cascade_equals_attention_over_the_whole(
     whole, whole_lse = scaled_dot_product_attention(q, k_all, v_all, return_lse=True)
     np.testing.assert_allclose(o.astype(np.float64), whole.astype(np.float64), **V_TOL)
     np.testing.assert_allclose(s * LN2, whole_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["decode", "append"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_cascade_through_a_paged_cache(rng, stage, page_size):
+    # Upstream's paged layout: the prefix stored once, each request's keys in pages of its own;
+    # a request's whole sequence is a fork of the prefix (its pages shared, not copied).
+    batch_size, unique_kv_len, shared_kv_len, num_heads, head_dim = 12, 37, 128, 8, 64
+    assert shared_kv_len % page_size == 0
+    T = 1 if stage == "decode" else unique_kv_len
+    pages = shared_kv_len // page_size + 2 * batch_size * -(-unique_kv_len // page_size)
+    cache = PagedKVCache(pages, page_size, num_heads, head_dim, dtype=np.float16)
+    shared = cache.new_sequence()
+    cache.append(shared, *rng.standard_normal((2, num_heads, shared_kv_len, head_dim)))
+    for _ in range(batch_size):
+        k_unique, v_unique = rng.standard_normal((2, num_heads, unique_kv_len, head_dim))
+        unique, whole = cache.new_sequence(), cache.fork(shared)
+        cache.append(unique, k_unique, v_unique)
+        cache.append(whole, k_unique, v_unique)
+        n_shared = shared_kv_len // page_size
+        assert cache.block_table(whole)[:n_shared] == cache.block_table(shared)
+        q = rng.standard_normal((num_heads, T, head_dim)).astype(np.float16)
+        o_shared, lse_shared = cache.attend(shared, q, return_lse=True)
+        o_unique, lse_unique = cache.attend(unique, q, return_lse=True)
+        o, s = merge_state([o_shared, o_unique], [lse_shared / LN2, lse_unique / LN2])
+        o_whole, lse_whole = cache.attend(whole, q, return_lse=True)
+        np.testing.assert_allclose(o.astype(np.float64), o_whole.astype(np.float64), **V_TOL)
+        np.testing.assert_allclose(s * LN2, lse_whole, rtol=1e-5, atol=1e-5)

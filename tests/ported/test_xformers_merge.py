@@ -17,8 +17,8 @@ equals attention over all the keys. Written anew in NumPy; what was kept and cha
   outputs are moved to ``(B, G, H, M, K)`` before merging; sdpa's merge takes a list of
   parts (a stacked array is refused: the ``stack_inputs`` case checks that) and always
   returns the lse (no ``write_lse``), has no ``output_dtype``, no in-place or ``out=``
-  variant, and no backward (``merge_attentions_autograd`` is not ported); an empty chunk
-  (lse ``-inf``), which xformers' kernel does not accept, is allowed here.
+  variant, and no backward (``merge_attentions_autograd`` is not ported). A part with no
+  key (lse ``-inf``, the cascade's third sequence in the shared part) contributes nothing.
 """
 
 from __future__ import annotations
