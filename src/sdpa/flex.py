@@ -560,23 +560,22 @@ class _Softmax:
             m = np.maximum(self.m, m)
         # a piece of full blocks gives every row a finite score
         self.finite = self.finite or not (piece.masked or self.modified)
-        if self.finite:
-            shift = m
-            np.subtract(s, shift[:, None], out=s)
-        else:  # a row with no score yet keeps the shift 0
+        shift = m  # a row with no score yet keeps the shift 0
+        if not self.finite:
             shift = np.where(np.isneginf(m), 0, m).astype(s.dtype, copy=False)
-            with np.errstate(invalid="ignore"):  # inf - inf: a score_mod's +inf gives NaN
-                np.subtract(s, shift[:, None], out=s)
-        self.exponential(s, piece)  # every exponent <= 0
-        l_piece = s.sum(axis=1)
-        acc_piece = _products(s, value)
-        if self.m is None:
-            self.l, self.acc = l_piece, acc_piece
-        else:
-            with np.errstate(invalid="ignore"):
+        # Scores and m far below the shift (near -finfo.max) may give -inf, whose exp is 0 as
+        # it should be; a score_mod's +inf gives inf - inf = NaN, its row's result; values near
+        # the largest number overflow acc, found and redone (see _products).
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.subtract(s, shift[:, None], out=s)
+            self.exponential(s, piece)  # every exponent <= 0
+            l_piece = s.sum(axis=1)
+            acc_piece = _products(s, value)
+            if self.m is None:
+                self.l, self.acc = l_piece, acc_piece
+            else:
                 alpha = self.exp(self.m - shift)  # 0 where nothing was seen yet; <= 1
-            self.l = self.l * alpha + l_piece
-            with np.errstate(over="ignore", invalid="ignore"):  # as in _products
+                self.l = self.l * alpha + l_piece
                 self.acc = self.acc * alpha[:, None] + acc_piece
         self.m, self.shift = m, shift
         return True
@@ -605,8 +604,8 @@ class _Softmax:
         full ones: at T = S = 4096, 8 heads of 64, float32, its step took 0.42 ms instead of
         0.76 (the row maxima of short rows cost the most).
         """
-        np.subtract(s, self.shift[:, None], out=s)
         with np.errstate(over="ignore"):  # a score far above the shift: inf, and the step fails
+            np.subtract(s, self.shift[:, None], out=s)
             self.exponential(s, piece)
         l_piece = s.sum(axis=1)
         if not l_piece.max() <= LAZY_BOUND:
