@@ -34,7 +34,9 @@ exponential (:func:`sdpa.tuning.tile_exponential`), as the tiled path of
 shift they find, each checked by its row sums and computed again in the rare case that fails.
 Units whose rows of the block mask are equal (every head of a mask created with ``H=None``)
 share one plan: the layout of their gathered keys and the ``mask_mod`` of their partial
-blocks, evaluated once and kept with the block mask for its later calls.
+blocks, evaluated once and kept beside the block mask for its later calls. Values near the
+ends of the dtype's range are found in the result, as in :mod:`sdpa.tiled`, and the call
+computed again on values scaled by a power of two per column.
 
 Work units are shared among threads (:func:`sdpa.threads.run_in_threads`, BLAS on one
 thread); each unit's result depends on its inputs alone, so the bits do not depend on the
@@ -152,7 +154,8 @@ class FlexStats:
     Filled when passed to :func:`flex_attention_tiled` as ``stats``. Blocks are those of the
     block mask, counted once for each batch entry and query head (a unit that folds ``G``
     heads counts ``G`` of each), so that ``computed + skipped`` is ``B * Hq * n_q * n_kv``.
-    The counts add up over calls.
+    The counts add up over calls (and over the second pass of a call whose values are scaled
+    into range).
 
     Attributes
     ----------
@@ -968,8 +971,9 @@ def flex_attention(
         ``(1, n_h, 1, 1)``, ``(1, 1, n_q, 1)`` and ``(1, 1, 1, n_kv)`` that broadcast against
         it: the batch entry, query head, query position and key position of each score,
         always inside the matrix. It returns an array of the scores' shape (or one that
-        broadcasts to it). The result must not depend on which block it is called on. A
-        score it sets to ``-inf`` is excluded like a masked one.
+        broadcasts to it), which is read, never written into (a stored bias may be returned).
+        The result must not depend on which block it is called on. A score it sets to
+        ``-inf`` is excluded like a masked one.
     block_mask : BlockMask, optional
         From :func:`sdpa.create_block_mask`, of shape ``(B or 1, Hq or 1, T, S)``: entries its
         ``mask_mod`` returns False for get weight exactly 0, and the tiled path never
@@ -1025,7 +1029,10 @@ def flex_attention(
 
     **Dtypes.** float16, float32 and float64 inputs give ``out`` in their dtype (float16 is
     computed in float32, its ``lse`` returned in float32); mixed dtypes promote; the mods see
-    scores in the working dtype and may return any real dtype (cast back to it).
+    scores in the working dtype and may return any real dtype (cast back to it). Near the ends
+    of the dtype's range the tiled path is as accurate as the reference path: it computes
+    again, on values scaled by a power of two per column (exact), a result that overflowed or
+    came out near the smallest normal numbers.
 
     **The mods' calls.** ``score_mod`` is called on the whole score matrix (reference) or on
     the computed blocks of one block of query rows (tiled), possibly from several threads at
