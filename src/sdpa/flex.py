@@ -674,7 +674,8 @@ class _Worker:
     """One thread: its counts, and the units it takes.
 
     Units whose rows of the block mask are equal (the heads and batch entries of a mask
-    created with None, the same query block) share a plan, made once (:class:`sdpa.block_mask.PlanCache`).
+    created with None, the same query block) share a plan, made once
+    (:class:`sdpa.block_mask.PlanCache`).
     """
 
     def __init__(self, tiling: _Tiling):
