@@ -34,7 +34,9 @@ exponential (:func:`sdpa.tuning.tile_exponential`), as the tiled path of
 shift they find, each checked by its row sums and computed again in the rare case that fails.
 Units whose rows of the block mask are equal (every head of a mask created with ``H=None``)
 share one plan: the layout of their gathered keys and the ``mask_mod`` of their partial
-blocks, evaluated once and kept with the block mask for its later calls.
+blocks, evaluated once and kept beside the block mask for its later calls. Values near the
+ends of the dtype's range are found in the result, as in :mod:`sdpa.tiled`, and the call
+computed again on values scaled by a power of two per column.
 
 Work units are shared among threads (:func:`sdpa.threads.run_in_threads`, BLAS on one
 thread); each unit's result depends on its inputs alone, so the bits do not depend on the
@@ -51,7 +53,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,12 +70,27 @@ from ._checks import (
     check_query_key_value,
     lse_dtype,
 )
-from .block_mask import FULL, PARTIAL, BlockMask, check_mod, evaluate_mask_mod, index_arrays
+from .block_mask import (
+    FULL,
+    PARTIAL,
+    BlockMask,
+    PlanCache,
+    check_mod,
+    evaluate_mask_mod,
+    index_arrays,
+    plans_beside,
+)
 from .problem import AttentionProblem, check_overflow, overflow_checked
 from .problem import prepare_attention as _prepare_attention  # public in sdpa.problem only
 from .softmax_stable import softmax_and_lse
 from .threads import default_num_threads, run_in_threads, single_threaded_blas
-from .tiled import LAZY_BOUND, LAZY_FLOOR  # e ** +-LAZY_MARGIN: the lazy steps' row sums
+from .tiled import (
+    LAZY_BOUND,  # e ** +-LAZY_MARGIN: the lazy steps' row sums
+    LAZY_FLOOR,
+    value_exponents,
+    values_may_be_out_of_range,
+    widen_column_top,
+)
 from .tuning import tile_exponential
 
 __all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
@@ -138,7 +154,8 @@ class FlexStats:
     Filled when passed to :func:`flex_attention_tiled` as ``stats``. Blocks are those of the
     block mask, counted once for each batch entry and query head (a unit that folds ``G``
     heads counts ``G`` of each), so that ``computed + skipped`` is ``B * Hq * n_q * n_kv``.
-    The counts add up over calls.
+    The counts add up over calls (and over the second pass of a call whose values are scaled
+    into range).
 
     Attributes
     ----------
@@ -279,8 +296,12 @@ def _check_fit(block_mask: BlockMask, call: _FlexCall) -> None:
 
 
 def _apply_score_mod(call: _FlexCall, scores: np.ndarray, b, h, q_idx, kv_idx) -> np.ndarray:
-    """``score_mod`` on 4-D ``scores`` ``(n_b, n_h, n_q, n_kv)`` and its index arrays, checked;
-    a writeable array of the scores' shape in the working dtype."""
+    """``score_mod`` on 4-D ``scores`` ``(n_b, n_h, n_q, n_kv)`` (an array the caller owns)
+    and its index arrays, checked: ``scores``, holding the modified scores in the working dtype.
+
+    The result is copied into ``scores`` unless it is ``scores`` itself: the tiled path writes
+    into what this returns, and whatever else the mod returned may be the caller's (a stored
+    bias, a view of one), which must not change. One pass over the tile, as a cast would be."""
     result = call.score_mod(scores, *index_arrays(b, h, q_idx, kv_idx))
     result = as_array(result, "score_mod's result")
     if result.dtype.kind not in "fiu":
@@ -292,10 +313,10 @@ def _apply_score_mod(call: _FlexCall, scores: np.ndarray, b, h, q_idx, kv_idx) -
             f"score_mod must return an array of the shape of its scores {scores.shape} (or one "
             f"that broadcasts to it); got shape {result.shape}"
         )
-    if result.shape != scores.shape or result.dtype != call.dtype or not result.flags.writeable:
+    if result is not scores:
         with np.errstate(over="ignore"):  # a score beyond the dtype's range is +-inf, as cast
-            result = np.array(np.broadcast_to(result, scores.shape), dtype=call.dtype)
-    return result
+            np.copyto(scores, result, casting="unsafe")  # broadcast, cast to the working dtype
+    return scores
 
 
 # ----------------------------------------------------------------------------------------
@@ -358,10 +379,12 @@ class _Tiling:
     block_kv: int  # keys per block
     block_k: int  # keys per product, at most (at least one block)
     exp: Callable  # the exponential of the tiles: numpy.exp, or numpy.exp2 on scores in base 2
-    plans: _PlanCache  # the plans of the mask's rows: the block mask's, or the call's
+    plans: PlanCache  # the plans of the mask's rows: kept beside the block mask, or the call's
     settings: tuple  # what a plan depends on besides its row: (block_k, base 2, dtype)
     out: np.ndarray  # (B, Hkv, G, T, Dv), written by the units (every row: not zeroed first)
     lse: np.ndarray  # (B, Hkv, G, T)
+    value: np.ndarray  # (B, Hkv, 1, S, Dv): the call's, or scaled by 2 ** -v_exp
+    v_exp: np.ndarray | None  # (Dv,) int: the powers of two the values were scaled by, or None
 
 
 def _mask_row(kinds: np.ndarray, b: int, h: int, m: int) -> tuple[int, int, int]:
@@ -385,7 +408,7 @@ def _blocks(call: _FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
     )
 
 
-def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
+def _tiling(call: _FlexCall, block_k: int, v_exp: np.ndarray | None = None) -> _Tiling:
     problem, bm = call.problem, call.block_mask
     T = problem.T
     kinds, block_q, block_kv = _blocks(call, block_k)
@@ -403,10 +426,12 @@ def _tiling(call: _FlexCall, block_k: int) -> _Tiling:
         block_kv=block_kv,
         block_k=block_k,
         exp=exp,
-        plans=_PlanCache() if bm is None else _plans_of(bm),
+        plans=PlanCache(PLAN_CACHE_BYTES) if bm is None else plans_beside(bm, PLAN_CACHE_BYTES),
         settings=(block_k, exp is np.exp2, call.dtype.str),
         out=np.empty((call.B, call.Hkv, call.G, T, problem.Dv), dtype=call.dtype),
         lse=np.full((call.B, call.Hkv, call.G, T), -np.inf, dtype=call.dtype),
+        value=call.value if v_exp is None else np.ldexp(call.value, -v_exp),  # exact
+        v_exp=v_exp,
     )
 
 
@@ -538,23 +563,23 @@ class _Softmax:
             m = np.maximum(self.m, m)
         # a piece of full blocks gives every row a finite score
         self.finite = self.finite or not (piece.masked or self.modified)
-        if self.finite:
-            shift = m
-            np.subtract(s, shift[:, None], out=s)
-        else:  # a row with no score yet keeps the shift 0
+        shift = m  # a row with no score yet keeps the shift 0
+        if not self.finite:
             shift = np.where(np.isneginf(m), 0, m).astype(s.dtype, copy=False)
-            with np.errstate(invalid="ignore"):  # inf - inf: a score_mod's +inf gives NaN
-                np.subtract(s, shift[:, None], out=s)
-        self.exponential(s, piece)  # every exponent <= 0
-        l_piece = s.sum(axis=1)
-        acc_piece = _products(s, value)
-        if self.m is None:
-            self.l, self.acc = l_piece, acc_piece
-        else:
-            with np.errstate(invalid="ignore"):
+        # Scores and m far below the shift (near -finfo.max) may give -inf, whose exp is 0 as
+        # it should be; a score_mod's +inf gives inf - inf = NaN, its row's result; values near
+        # the largest number overflow acc, found and redone (see _products).
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.subtract(s, shift[:, None], out=s)
+            self.exponential(s, piece)  # every exponent <= 0
+            l_piece = s.sum(axis=1)
+            acc_piece = _products(s, value)
+            if self.m is None:
+                self.l, self.acc = l_piece, acc_piece
+            else:
                 alpha = self.exp(self.m - shift)  # 0 where nothing was seen yet; <= 1
-            self.l = self.l * alpha + l_piece
-            self.acc = self.acc * alpha[:, None] + acc_piece
+                self.l = self.l * alpha + l_piece
+                self.acc = self.acc * alpha[:, None] + acc_piece
         self.m, self.shift = m, shift
         return True
 
@@ -582,14 +607,15 @@ class _Softmax:
         full ones: at T = S = 4096, 8 heads of 64, float32, its step took 0.42 ms instead of
         0.76 (the row maxima of short rows cost the most).
         """
-        np.subtract(s, self.shift[:, None], out=s)
         with np.errstate(over="ignore"):  # a score far above the shift: inf, and the step fails
+            np.subtract(s, self.shift[:, None], out=s)
             self.exponential(s, piece)
         l_piece = s.sum(axis=1)
         if not l_piece.max() <= LAZY_BOUND:
             return False
         self.l += l_piece
-        self.acc += _products(s, value)
+        with np.errstate(over="ignore", invalid="ignore"):  # as in _products
+            self.acc += _products(s, value)
         return True
 
     def exponential(self, s: np.ndarray, piece: _Piece) -> None:
@@ -620,8 +646,13 @@ class _Softmax:
 
 
 def _products(p: np.ndarray, value: np.ndarray) -> np.ndarray:
-    """``p @ value`` per key head: ``(n, rows / n, keys) @ (n, keys, Dv)`` as ``(rows, Dv)``."""
-    return (p.reshape(value.shape[0], -1, p.shape[1]) @ value).reshape(p.shape[0], -1)
+    """``p @ value`` per key head: ``(n, rows / n, keys) @ (n, keys, Dv)`` as ``(rows, Dv)``.
+
+    Values near the dtype's largest number may overflow here (``inf``, or NaN from mixed
+    signs), silently: the call finds it in the result and computes again on scaled values."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        products = p.reshape(value.shape[0], -1, p.shape[1]) @ value  # (n, rows / n, Dv)
+    return products.reshape(p.shape[0], value.shape[-1])  # (Dv = 0 is allowed)
 
 
 @dataclass(frozen=True)
@@ -639,61 +670,18 @@ class _RowPlan:
         return sum(mask.nbytes for _, mask in self.pieces if mask is not None)
 
 
-class _PlanCache:
-    """Plans of rows of a block mask, keyed by the settings of the call and the row, shared by
-    the worker threads of a call and kept with the mask for later calls (``PLAN_CACHE_BYTES``
-    of masks at most, whatever the settings; when full, it starts over).
-
-    A plan depends on its row of the mask and the settings alone, never on the inputs, so
-    which thread made it, or which call, does not change a bit of any result. Two threads that
-    miss the same row both make its plan, and the first one kept serves later units.
-    """
-
-    def __init__(self, budget: int | None = None):
-        self.budget = PLAN_CACHE_BYTES if budget is None else budget
-        self.plans: dict = {}
-        self.nbytes = 0
-        self.lock = threading.Lock()
-
-    def get(self, key: tuple, make: Callable[[], _RowPlan]) -> _RowPlan:
-        """The plan of ``key``, made by ``make()`` if it is not kept."""
-        plan = self.plans.get(key)
-        if plan is not None:
-            return plan
-        plan = make()
-        with self.lock:
-            if key in self.plans:
-                return self.plans[key]
-            if self.nbytes + plan.nbytes > self.budget:
-                self.plans.clear()
-                self.nbytes = 0
-            if plan.nbytes <= self.budget:
-                self.plans[key] = plan
-                self.nbytes += plan.nbytes
-        return plan
-
-
-_PLAN_CACHES_LOCK = threading.Lock()
-
-
-def _plans_of(block_mask: BlockMask) -> _PlanCache:
-    """The plans ``block_mask`` keeps (made on first use, once whichever thread asks)."""
-    with _PLAN_CACHES_LOCK:
-        if block_mask._tiled_plans is None:
-            block_mask._tiled_plans = _PlanCache()
-        return block_mask._tiled_plans
-
-
 class _Worker:
     """One thread: its counts, and the units it takes.
 
     Units whose rows of the block mask are equal (the heads and batch entries of a mask
-    created with None, the same query block) share a plan, made once (:class:`_PlanCache`).
+    created with None, the same query block) share a plan, made once
+    (:class:`sdpa.block_mask.PlanCache`).
     """
 
     def __init__(self, tiling: _Tiling):
         self.tiling = tiling
         self.stats = FlexStats()
+        self.top = np.zeros(tiling.call.problem.Dv, tiling.call.dtype)  # largest |out| per column
 
     def drain(self, units: list, counter, failed: list) -> None:
         """Take units from the shared list until it is empty, or another worker failed."""
@@ -727,8 +715,8 @@ class _Worker:
             return
         with overflow_checked(call.problem):  # scaled here, in the worker threads
             q_tile = call.query[b, hk0:hk1, g0:g1, t0:t1] * tiling.factor  # (n, G', Bq, Dk)
-        q_tile = q_tile.reshape(hk1 - hk0, -1, q_tile.shape[-1])  # (n, G' Bq, Dk)
-        key, value = call.key[b, hk0:hk1, 0], call.value[b, hk0:hk1, 0]  # (n, S, Dk), (n, S, Dv)
+        q_tile = q_tile.reshape(hk1 - hk0, (g1 - g0) * (t1 - t0), -1)  # (n, G' Bq, Dk)
+        key, value = call.key[b, hk0:hk1, 0], tiling.value[b, hk0:hk1, 0]  # (n, S, Dk), (n, S, Dv)
         softmax = _Softmax(tiling.exp, modified=call.score_mod is not None)
         for piece, mask in plan.pieces:
             keys, values = piece.gather(key), piece.gather(value)
@@ -738,8 +726,12 @@ class _Worker:
                 scores = self.scores(q_tile, keys, piece, mask, (b, h, t0, t1))
                 softmax.add(scores, values, piece, lazy=False)
         out, lse = softmax.result()
+        if tiling.v_exp is None:  # did the values come near the ends of the range?
+            widen_column_top(self.top, out)
+        else:
+            np.ldexp(out, tiling.v_exp, out=out)  # undo the values' scaling (exact)
         shape = (hk1 - hk0, g1 - g0, t1 - t0)
-        tiling.out[b, hk0:hk1, g0:g1, t0:t1] = out.reshape(*shape, -1)
+        tiling.out[b, hk0:hk1, g0:g1, t0:t1] = out.reshape(*shape, call.problem.Dv)
         tiling.lse[b, hk0:hk1, g0:g1, t0:t1] = lse.reshape(shape)
 
     def plan(self, b: int, h: range, m: int, t0: int, t1: int) -> _RowPlan:
@@ -807,8 +799,9 @@ class _Worker:
         return scores
 
 
-def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> None:
-    """Share the units out among worker threads; add their counts to ``stats``."""
+def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> np.ndarray:
+    """Share the units out among worker threads; add their counts to ``stats``. Returns the
+    largest ``|out|`` of each column ``(Dv,)``, NaN where a result was NaN."""
     units = _units(tiling.call, tiling.kinds, tiling.block_q, tiling.block_kv)
     n_threads = max(1, min(num_threads or default_num_threads(), len(units)))
     counter = itertools.count()
@@ -822,14 +815,26 @@ def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> N
     if stats is not None:
         for w in workers:
             stats.add(w.stats)
+    return functools.reduce(np.maximum, [w.top for w in workers])
 
 
 def _flex_tiled(call: _FlexCall, block_k: int, num_threads, stats) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time."""
+    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time.
+
+    Values near the ends of the range, as :func:`sdpa.tiled.attention_tiled` finds them (the
+    weights of the lazy steps reach ``LAZY_BOUND`` and drop to ``LAZY_FLOOR``): a result that
+    overflowed or came out near the smallest normal numbers is computed again on values scaled
+    by a power of two per column, read only then."""
     tiling = _tiling(call, block_k)
-    _run(tiling, num_threads, stats)
+    top = _run(tiling, num_threads, stats)
+    if values_may_be_out_of_range(top):
+        v_exp = value_exponents(call.value, call.problem.S)
+        if v_exp is not None:
+            tiling = _tiling(call, block_k, v_exp)
+            _run(tiling, num_threads, stats)
     T = call.problem.T
-    return tiling.out.reshape(call.B, call.Hq, T, -1), tiling.lse.reshape(call.B, call.Hq, T)
+    out = tiling.out.reshape(call.B, call.Hq, T, call.problem.Dv)
+    return out, tiling.lse.reshape(call.B, call.Hq, T)
 
 
 # ----------------------------------------------------------------------------------------
@@ -967,8 +972,9 @@ def flex_attention(
         ``(1, n_h, 1, 1)``, ``(1, 1, n_q, 1)`` and ``(1, 1, 1, n_kv)`` that broadcast against
         it: the batch entry, query head, query position and key position of each score,
         always inside the matrix. It returns an array of the scores' shape (or one that
-        broadcasts to it). The result must not depend on which block it is called on. A
-        score it sets to ``-inf`` is excluded like a masked one.
+        broadcasts to it), which is read, never written into (a stored bias may be returned).
+        The result must not depend on which block it is called on. A score it sets to
+        ``-inf`` is excluded like a masked one.
     block_mask : BlockMask, optional
         From :func:`sdpa.create_block_mask`, of shape ``(B or 1, Hq or 1, T, S)``: entries its
         ``mask_mod`` returns False for get weight exactly 0, and the tiled path never
@@ -1024,7 +1030,10 @@ def flex_attention(
 
     **Dtypes.** float16, float32 and float64 inputs give ``out`` in their dtype (float16 is
     computed in float32, its ``lse`` returned in float32); mixed dtypes promote; the mods see
-    scores in the working dtype and may return any real dtype (cast back to it).
+    scores in the working dtype and may return any real dtype (cast back to it). Near the ends
+    of the dtype's range the tiled path is as accurate as the reference path: it computes
+    again, on values scaled by a power of two per column (exact), a result that overflowed or
+    came out near the smallest normal numbers.
 
     **The mods' calls.** ``score_mod`` is called on the whole score matrix (reference) or on
     the computed blocks of one block of query rows (tiled), possibly from several threads at

@@ -425,7 +425,7 @@ def _make_plan(
     )
 
 
-def _value_exponents(value: np.ndarray, S: int) -> np.ndarray | None:
+def value_exponents(value: np.ndarray, S: int) -> np.ndarray | None:
     """Powers of two ``e`` (one per column of the values, ``(Dv,)`` int) that bring each
     column's largest ``|v|`` into ``[0.5, 1)``; None when no column needs it.
 
@@ -448,16 +448,26 @@ def _value_exponents(value: np.ndarray, S: int) -> np.ndarray | None:
     return np.where(scale, np.frexp(top)[1], 0).astype(np.int32)
 
 
-def _values_may_be_out_of_range(top: np.ndarray) -> bool:
+def values_may_be_out_of_range(top: np.ndarray) -> bool:
     """Whether a result computed on unscaled values may have lost to the ends of the range,
     from ``top``, the largest ``|out|`` of each column ``(Dv,)`` (NaN if any was NaN).
 
     Overflow shows in the result as ``inf`` or NaN; digits lost to subnormal numbers show as
     a column whose results are all below ``2 ** VALUE_FLOOR_BITS`` times the smallest normal
-    number. Only then are the values themselves read (:func:`_value_exponents`).
+    number. Only then are the values themselves read (:func:`value_exponents`).
     """
     low = float(np.finfo(top.dtype).smallest_normal) * 2.0**VALUE_FLOOR_BITS
     return not (top >= low).all() or not np.isfinite(top).all()
+
+
+def widen_column_top(top: np.ndarray, out: np.ndarray) -> None:
+    """Raise ``top`` ``(Dv,)`` in place to the largest ``|out|`` of each column of ``out``
+    ``(..., Dv)``; a NaN, once met, stays (``np.maximum``). What
+    :func:`values_may_be_out_of_range` reads after the last unit."""
+    if out.size:
+        axes = tuple(range(out.ndim - 1))
+        np.maximum(top, np.max(out, axis=axes), out=top)  # no temporary of out's size
+        np.maximum(top, -np.min(out, axis=axes), out=top)
 
 
 class _Buffers:
@@ -699,10 +709,8 @@ class _Unit:
         np.multiply(self.acc.reshape(G, bq, Dv), inv.reshape(G, bq, 1), out=out)
         if plan.v_exp is not None:
             np.ldexp(out, plan.v_exp, out=out)  # undo the values' scaling (exact)
-        elif Dv:  # while the block is in cache: did the values come near the ends of the range?
-            top = self.buffers.top  # (Dv,); np.maximum keeps a NaN once it has met one
-            np.maximum(top, np.max(out, axis=(0, 1)), out=top)  # no temporary array
-            np.maximum(top, -np.min(out, axis=(0, 1)), out=top)
+        else:  # while the block is in cache: did the values come near the ends of the range?
+            widen_column_top(self.buffers.top, out)
         lse = np.full(rows, -np.inf, dtype=plan.dtype)
         np.log(l, out=lse, where=seen)
         np.add(lse, m, out=lse, where=seen)
@@ -991,8 +999,8 @@ def attention_tiled(
     sizes = (problem, block_q, block_k, num_threads)
     plan = _make_plan(*sizes, with_stats=return_stats, exp=exp)
     top = _run(plan, num_threads, stats)
-    if _values_may_be_out_of_range(top):
-        v_exp = _value_exponents(problem.value, S)
+    if values_may_be_out_of_range(top):
+        v_exp = value_exponents(problem.value, S)
         if v_exp is not None:  # computed again, on values scaled into range
             plan = _make_plan(*sizes, with_stats=return_stats, exp=exp, v_exp=v_exp)
             _run(plan, num_threads, stats)
