@@ -159,6 +159,12 @@ def estimated_times(
     reference, tiled : float
         Estimated wall times of the reference path and of the tiled path.
 
+    Notes
+    -----
+    With one query row, query heads that share a key head (``enable_gqa``) read it from memory
+    once and from the cache after that (``CACHED_READ``); a tiled call of a single work unit
+    starts no worker threads and pays the reference path's ``call`` cost.
+
     Examples
     --------
     Many small heads favour the reference path, a few long ones the tiled path:
