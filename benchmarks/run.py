@@ -522,7 +522,9 @@ def auto_cases(quick: bool) -> list[dict]:
     queries T (``n`` unless given), ``d`` the head width. Many small heads: the tiled path's
     per-tile work in Python dominates; few large ones: the reference path's (T, S) matrices do;
     batched heads sit in between. Decoding: one query (or a few, as speculative decoding and
-    chunked prefill have) against a long cache, at batch 1, with 8 to 64 heads.
+    chunked prefill have) against a long cache, at batch 1, with 8 to 64 heads; and with
+    grouped-query heads (``kv_heads`` key heads, each shared by ``lead[-1] / kv_heads`` query
+    heads, ``enable_gqa``).
     """
     grid = [
         ("many small heads", (20000,), 4, 8, False),  # once 32 times slower on the tiled path
@@ -566,6 +568,24 @@ def auto_cases(quick: bool) -> list[dict]:
         dict(kind="decoding", lead=(b, h), t=t, n=s, d=64, causal=False, dtype="float32")
         for b, h, t, s in decoding
     ]
+    # Grouped-query decoding (issue 34), the commonest serving call: 32 or 64 query heads over
+    # 8 key heads (enable_gqa), a token or a few against the cache.
+    grouped = [(h, t, s) for h in (32, 64) for t in (1, 2, 4, 8) for s in (512, 2048, 4096, 16384)]
+    if quick:
+        grouped = [c for c in grouped if c[0] * c[1] * c[2] <= 2**17]
+    cases += [
+        dict(
+            kind="GQA decoding",
+            lead=(1, h),
+            kv_heads=8,
+            t=t,
+            n=s,
+            d=64,
+            causal=False,
+            dtype="float32",
+        )
+        for h, t, s in grouped
+    ]
     return cases
 
 
@@ -582,14 +602,16 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     from sdpa.problem import prepare_attention
 
     rng = np.random.default_rng(case["n"] * case["d"] + case["t"])
+    gqa = case.get("kv_heads") is not None  # k and v with kv_heads heads, shared by groups
+    kv_lead = (*case["lead"][:-1], case["kv_heads"]) if gqa else case["lead"]
     q, k, v = (
-        rng.standard_normal((*case["lead"], n, case["d"])).astype(case["dtype"])
-        for n in (case["t"], case["n"], case["n"])
+        rng.standard_normal((*lead, n, case["d"])).astype(case["dtype"])
+        for lead, n in ((case["lead"], case["t"]), (kv_lead, case["n"]), (kv_lead, case["n"]))
     )
     impls = {
         name: (
             lambda name=name: scaled_dot_product_attention(
-                q, k, v, is_causal=case["causal"], implementation=name
+                q, k, v, is_causal=case["causal"], enable_gqa=gqa, implementation=name
             )
         )
         for name in ("auto", "reference", "tiled")
@@ -611,7 +633,7 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     result = dict(case, lead=list(case["lead"]))
     result["time"] = {name: min(t) for name, t in times.items()}
     result["median"] = {name: statistics.median(t) for name, t in times.items()}
-    chosen = worth_tiling(prepare_attention(q, k, v, None, case["causal"]))
+    chosen = worth_tiling(prepare_attention(q, k, v, None, case["causal"], enable_gqa=gqa))
     result["auto takes"] = "tiled" if chosen else "reference"
     fastest = min(result["time"]["reference"], result["time"]["tiled"])
     result["auto/faster"] = result["time"]["auto"] / fastest
@@ -863,6 +885,14 @@ def results_lines(report) -> list[str]:
     return lines
 
 
+def lead_text(case) -> str:
+    """The lead of q, and with grouped-query heads the key heads: ``(1, 32 over 8)``."""
+    lead = tuple(case["lead"])
+    if case.get("kv_heads") is None:
+        return str(lead)
+    return f"({', '.join(map(str, lead[:-1]))}, {lead[-1]} over {case['kv_heads']})"
+
+
 def auto_lines(auto) -> list[str]:
     """implementation="auto" against the faster path, case by case."""
     lines = []
@@ -871,7 +901,8 @@ def auto_lines(auto) -> list[str]:
         "",
         '## `implementation="auto"` against the faster path',
         "",
-        "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d); best of 7 to 21 "
+        "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d) (GQA: H over Hkv "
+        "heads, enable_gqa); best of 7 to 21 "
         'interleaved rounds (more for quick cases). "chosen/faster" compares the path auto takes with the faster one '
         'in the same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
         "",
@@ -881,7 +912,7 @@ def auto_lines(auto) -> list[str]:
     for r in auto:
         t = r["time"]
         lines.append(
-            f"| {r['kind']} | {tuple(r['lead'])} | {r.get('t', r['n'])} | {r['n']} | {r['d']} | "
+            f"| {r['kind']} | {lead_text(r)} | {r.get('t', r['n'])} | {r['n']} | {r['d']} | "
             f"{'yes' if r['causal'] else 'no'} | {fmt_time(t['reference'])} | "
             f"{fmt_time(t['tiled'])} | {fmt_time(t['auto'])} | {r['auto takes']} | "
             f"{r['chosen/faster']:.2f} | {r['auto/faster']:.2f} |"
@@ -1064,7 +1095,7 @@ def main(argv=None) -> int:
             report["auto"].append(r)
             t = r["time"]
             print(
-                f"auto grid {case['kind']:16} {str(case['lead']):10} T={case['t']:5} S={case['n']:5} "
+                f"auto grid {case['kind']:16} {lead_text(case):15} T={case['t']:5} S={case['n']:5} "
                 f"d={case['d']:3} causal={case['causal']!s:5}: reference "
                 f"{fmt_time(t['reference'])}, tiled {fmt_time(t['tiled'])}, auto "
                 f"{fmt_time(t['auto'])} ({r['auto takes']}), auto/faster {r['auto/faster']:.2f}",

@@ -182,3 +182,17 @@ def test_flex_lines_report_the_ratio_against_its_target(run):
         dict(quick=False, date="d", machine=dict(cpu="c", cores=2, python="3", numpy="2", sdpa="0"),
              load=[0.0, 0.0], flex=[result])
     )  # fmt: skip
+
+
+def test_the_auto_grid_holds_grouped_query_decoding(run):
+    # issue 34: 32 and 64 query heads over 8 key heads, T = 1 to 8, S = 512 to 16384
+    grouped = [c for c in run.auto_cases(quick=False) if c.get("kv_heads") is not None]
+    assert {(c["lead"], c["kv_heads"]) for c in grouped} == {((1, 32), 8), ((1, 64), 8)}
+    assert {c["t"] for c in grouped} == {1, 2, 4, 8}
+    assert {c["n"] for c in grouped} == {512, 2048, 4096, 16384}
+    assert len(grouped) == 2 * 4 * 4
+    assert {c["kind"] for c in run.auto_cases(quick=False)} >= {"decoding", "many small heads"}
+    quick = [c for c in run.auto_cases(quick=True) if c.get("kv_heads") is not None]
+    assert quick and all(c["lead"][1] * c["t"] * c["n"] <= 2**17 for c in quick)
+    assert run.lead_text(grouped[0]) == "(1, 32 over 8)"
+    assert run.lead_text(dict(lead=[4, 8])) == "(4, 8)"

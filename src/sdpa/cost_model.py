@@ -19,6 +19,7 @@ from .threads import default_num_threads
 from .tiled import tile_plan_sizes
 
 __all__ = [
+    "CACHED_READ",
     "MIN_TILED_SCORES",
     "REFERENCE_COST",
     "TILED_COST",
@@ -54,12 +55,24 @@ REFERENCE_COST = MappingProxyType(
     dict(
         call=674.0,  # validation, dispatch, BLAS's threads waking
         matrix=0.401,  # per (T, S) matrix: the batched products' loop
-        io=0.000235,  # per entry of the inputs read per matrix, (T + S) (Dk + Dv)
+        io=0.000235,  # per entry read per matrix, (T + S) (Dk + Dv) (see CACHED_READ)
         score=0.00488,  # per score: the softmax's passes
         score_width=0.00000937,  # per score and unit of Dk + Dv: the two products
         masked=0.00145,  # per score, with a mask or a band: one more pass
     )
 )
+# A key head read again by the next query heads of its group (one query row each, GQA
+# decoding) comes from the cache: a quarter of a first read's cost. One thread's CPU time of the
+# reference path (32 query heads, T = 1, width 64, float32) at S = 4096: 3.69 ms over 32 key
+# heads, 2.10 over 8, 1.32 over 1; at S = 16384 (a key head of 4 MiB, beyond the 2 MiB L2):
+# 18.7, 14.4 and 11.2 ms. In the model, 1/4 keeps the reference path for 32 query heads over 8
+# key heads at S = 4096 to 16384 and 64 over 8 at S = 2048 to 4096 (1.3 to 1.8 times as fast
+# as the tiled path the model had chosen) and tiles 32 over 1 and 64 over 4 at S = 16384 (4
+# to 10 times as fast); at 1/3 it tiles 64 over 8 at S = 4096 (1.28 times slower), at 1/10
+# it keeps 32 over 4 at S = 16384 (3.5 times slower, on a loaded machine).
+#: What a key head re-read from the cache costs, as a share of a first read (see ``io``).
+CACHED_READ = 0.25
+
 #: The tiled path's costs, in microseconds: per call, per work unit, per further tile, per
 #: computed score, per computed score and unit of ``Dk + Dv`` (the last two shared by the
 #: worker threads).
@@ -146,6 +159,12 @@ def estimated_times(
     reference, tiled : float
         Estimated wall times of the reference path and of the tiled path.
 
+    Notes
+    -----
+    With one query row, query heads that share a key head (``enable_gqa``) read it from memory
+    once and from the cache after that (``CACHED_READ``); a tiled call of a single work unit
+    starts no worker threads and pays the reference path's ``call`` cost.
+
     Examples
     --------
     Many small heads favour the reference path, a few long ones the tiled path:
@@ -170,7 +189,7 @@ def estimated_times(
     r = REFERENCE_COST if reference_cost is None else reference_cost
     reference = (
         r["call"]
-        + n_matrices * (r["matrix"] + r["io"] * (T + S) * width)
+        + n_matrices * (r["matrix"] + r["io"] * (T * width + _key_reads(problem)))
         + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
     )
     units, tiles, scores, num_threads = tiling_geometry(problem)
@@ -179,7 +198,27 @@ def estimated_times(
     # tile), while the work inside NumPy's loops and products (per score) runs in parallel.
     overhead = c["unit"] * units + c["tile"] * max(0, tiles - units)
     work = scores * (c["score"] + c["score_width"] * width)
-    return reference, c["call"] + overhead + work / num_threads
+    # One thread starts no workers (a single unit, as with one key head): its call costs what
+    # the reference path's does. Hq = 32 query heads over one key head, T = 1, S = 4096: the
+    # tiled path took 1.39 to 1.57 ms, the model with the workers' start said 2.9 ms.
+    call = c["call"] if num_threads > 1 else r["call"]
+    return reference, call + overhead + work / num_threads
+
+
+def _key_reads(problem: AttentionProblem) -> float:
+    """Entries of the keys and values that the reference path's products read per ``(T, S)``
+    matrix, in units of a first read (from memory): ``S (Dk + Dv)``, or less when one query
+    row meets keys that the matrix before it read.
+    """
+    S, width = problem.S, problem.Dk + problem.Dv
+    G = tile_plan_sizes(problem)[0]  # consecutive matrices that share their keys (GQA's group)
+    if problem.T > 1 or G == 1:
+        # A product of T > 1 rows is a matrix product, which packs its keys anew each time.
+        return S * width
+    # One row: NumPy's matmul hands it to BLAS's matrix-vector product, which streams the keys
+    # unpacked; the G query heads of a group read the same keys one after the other, the
+    # first from memory, the others from the cache, at CACHED_READ of that cost.
+    return S * width * (1 + (G - 1) * CACHED_READ) / G
 
 
 def worth_tiling(problem: AttentionProblem) -> bool:
