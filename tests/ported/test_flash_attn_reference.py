@@ -48,7 +48,8 @@ Changed:
   no soft-capping there) is compared with ``torch.autograd`` on the reference formula written
   in PyTorch, in float64, the low-precision reference being the same in float32, as upstream
   compares with autograd of ``attention_ref`` (upstream's rule, causal or local cases with more
-  queries than keys are left out). float64 gradients, which upstream does not have, are
+  queries than keys are left out); the learnable sink's gradient by the same rule as dq, dk
+  and dv (upstream allows it 2 ulp more per entry). float64 gradients, which upstream does not have, are
   checked against central differences of the longdouble reference along random directions.
 """
 
