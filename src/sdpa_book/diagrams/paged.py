@@ -169,8 +169,8 @@ def block_table_diagram(cache: PagedKVCache, sequences: Mapping[str, int]):
         middle, each block over its id; each sequence's logical blocks in a row (slots filled
         up to its length) with its name and block table, ``"A: [0, 4, 5]"``, on the far side
         from the pool; a line from every logical block to the physical block its table names,
-        in the sequence's colour (:data:`SEQUENCE_COLORS`). A block held by several sequences
-        is filled in :data:`SHARED_COLOR`; a free block is outlined dashed. The blocks are
+        in the sequence's colour (``sdpa_book.diagrams.paged.SEQUENCE_COLORS``). A block held by several sequences
+        is filled in ``SHARED_COLOR``; a free block is outlined dashed. The blocks are
         tagged ``"<name> <i>"`` (logical block ``i``) and ``"pool <id>"``, the lines labelled
         ``"_link <name> <i>"``.
 
