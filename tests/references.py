@@ -9,6 +9,7 @@ on the path).
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -129,3 +130,26 @@ def central_differences(f, x, eps=1e-6):
         e[idx] = eps
         grad[idx] = (f(x + e) - f(x - e)) / (2 * eps)
     return grad
+
+
+def torch_flex(torch, q, k, v, score_mod=None, mask_mod=None, B=None, H=None, block=16, gqa=False):
+    """PyTorch's eager FlexAttention on CPU (the unfused path, exact in float64): ``out``,
+    ``lse`` and its block mask (None without ``mask_mod``), as NumPy arrays. ``torch`` is the
+    tests' fixture; the mask is made for ``B`` batch entries and ``H`` heads (None: all)."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    with warnings.catch_warnings():
+        # eager flex_attention warns that it is not fused (it materialises the scores): only that
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        mask = None
+        if mask_mod is not None:
+            T, S = q.shape[-2], k.shape[-2]
+            mask = create_block_mask(mask_mod, B, H, T, S, device="cpu", BLOCK_SIZE=block)
+        out, aux = flex_attention(
+            *(torch.from_numpy(x) for x in (q, k, v)),
+            score_mod=score_mod,
+            block_mask=mask,
+            enable_gqa=gqa,
+            return_aux=AuxRequest(lse=True),
+        )
+    return out.numpy(), aux.lse.numpy(), mask

@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import math
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from references import torch_flex
 
 import sdpa
 from sdpa import BlockMask, create_block_mask, flex_attention
@@ -859,26 +859,6 @@ def test_reference_and_tiled_agree(p):
 # ---------------------------------------------------------------------------------------------
 # PyTorch's FlexAttention (eager on CPU: the unfused path, exact in float64)
 # ---------------------------------------------------------------------------------------------
-
-
-def torch_flex(torch, q, k, v, score_mod=None, mask_mod=None, B=None, H=None, block=16, gqa=False):
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
-
-    with warnings.catch_warnings():
-        # eager flex_attention warns that it is not fused (materialises the scores): fine here
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        mask = None
-        if mask_mod is not None:
-            T, S = q.shape[-2], k.shape[-2]
-            mask = create_block_mask(mask_mod, B, H, T, S, device="cpu", BLOCK_SIZE=block)
-        out, aux = flex_attention(
-            *(torch.from_numpy(x) for x in (q, k, v)),
-            score_mod=score_mod,
-            block_mask=mask,
-            enable_gqa=gqa,
-            return_aux=AuxRequest(lse=True),
-        )
-    return out.numpy(), aux.lse.numpy(), mask
 
 
 @pytest.mark.parametrize("implementation", PATHS)

@@ -552,6 +552,22 @@ def _softmax(torch, scores, base2):
     return p / p.sum(dim=-1, keepdim=True)
 
 
+def sdpa_backward(d_out, q, k, v, kind, window, sinks, implementation):
+    """sdpa's dq, dk, dv (and the sink's gradient, ``(Hq, 1)``) for one case of the grid."""
+    return sdpa.scaled_dot_product_attention_backward(
+        d_out,
+        q,
+        k,
+        v,
+        is_causal=kind == "causal",
+        causal_alignment="bottom_right",
+        window=window if kind == "local" else None,
+        sinks=None if sinks is None else sinks[:, None],
+        enable_gqa=k.shape[1] != q.shape[1],
+        implementation=implementation,
+    )
+
+
 BACKWARD_CASES = [
     # T, S, kind, window, d, dv, layout, sink
     (113, 203, "causal", None, 64, 64, "mha", False),
@@ -590,18 +606,7 @@ def test_backward(torch, T, S, kind, window, d, dv, layout, sink):
     refs = torch_grads(torch.float64, False)
     lows = list(zip(torch_grads(torch.float32, True), torch_grads(torch.float32, True, True)))
     for implementation in IMPLEMENTATIONS:
-        grads = sdpa.scaled_dot_product_attention_backward(
-            d_out,
-            q,
-            k,
-            v,
-            is_causal=kind == "causal",
-            causal_alignment="bottom_right",
-            window=window if kind == "local" else None,
-            sinks=None if sinks is None else sinks[:, None],
-            enable_gqa=hkv != HQ,
-            implementation=implementation,
-        )
+        grads = sdpa_backward(d_out, q, k, v, kind, window, sinks, implementation)
         names = ["dq", "dk", "dv", "dsink"]
         # The tiled backward, like FA's kernels, recomputes the weights as exp2(s - lse) from
         # its base-2 forward's lse: one more rounding than the naive formula's autograd has.
@@ -642,18 +647,7 @@ def test_backward_float64_directional(T, S, kind, window, d, dv, layout, sink):
         down = [x - step * direction if m == n else x for m, x in enumerate(inputs)]
         numeric.append(float((loss(*up) - loss(*down)) / (2 * step)))
     for implementation in ["reference", "tiled"]:
-        grads = sdpa.scaled_dot_product_attention_backward(
-            d_out,
-            q,
-            k,
-            v,
-            is_causal=kind == "causal",
-            causal_alignment="bottom_right",
-            window=window if kind == "local" else None,
-            sinks=None if sinks is None else sinks[:, None],
-            enable_gqa=hkv != HQ,
-            implementation=implementation,
-        )
+        grads = sdpa_backward(d_out, q, k, v, kind, window, sinks, implementation)
         for name, grad, direction, expected in zip(
             ["dq", "dk", "dv", "dsink"], grads, directions, numeric, strict=False
         ):

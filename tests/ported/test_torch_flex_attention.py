@@ -27,12 +27,12 @@ PyTorch is a test-time reference only (the ``torch`` fixture of tests/conftest.p
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from references import torch_flex
 
 from sdpa import create_block_mask, flex_attention
 
@@ -385,27 +385,6 @@ def loop_reference(q, k, v, score_mod=None, mask_mod=None):
             for d in range(Dv):
                 out[b, h, i, d] = math.fsum(e[j] * v[bk, hk, j, d] for j in e) / total
     return out, lse
-
-
-def torch_flex(torch, q, k, v, score_mod, mask_mod, mask_B, mask_H, block, gqa):
-    """PyTorch's eager FlexAttention on CPU (float64): ``out``, ``lse`` and its block mask."""
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
-
-    T, S = q.shape[-2], k.shape[-2]
-    with warnings.catch_warnings():
-        # eager flex_attention says it is unfused (it materialises the scores): only that
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        mask = None
-        if mask_mod is not None:
-            mask = create_block_mask(mask_mod, mask_B, mask_H, T, S, device="cpu", BLOCK_SIZE=block)
-        out, aux = flex_attention(
-            *(torch.from_numpy(x) for x in (q, k, v)),
-            score_mod=score_mod,
-            block_mask=mask,
-            enable_gqa=gqa,
-            return_aux=AuxRequest(lse=True),
-        )
-    return out.numpy(), aux.lse.numpy(), mask
 
 
 # ---------------------------------------------------------------------------------------------
