@@ -350,12 +350,12 @@ def test_a_block_mask_pickles_and_deep_copies_before_and_after_a_tiled_call():
 
 
 def test_the_plans_kept_for_a_block_mask_go_with_it():
-    from sdpa.block_mask import plans_beside
+    from sdpa.tiles.blocks import plans_beside
 
     q = np.random.default_rng(17).standard_normal((1, 1, 40, 4))
     mask = create_block_mask(_pickled_window, None, None, 40, 40, BLOCK_SIZE=8)
     flex_attention(q, q, q, block_mask=mask, implementation="tiled")
-    plans = plans_beside(mask, sdpa.flex.PLAN_CACHE_BYTES)
+    plans = plans_beside(mask, sdpa.tuning.PLAN_CACHE_BYTES)
     assert plans.plans  # the plans the call made: kept for the mask
     kept = weakref.ref(plans)
     del plans, mask

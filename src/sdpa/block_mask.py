@@ -29,8 +29,6 @@ of the attention call), ``q`` and ``kv`` the block sizes.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from numbers import Integral
 
@@ -114,7 +112,7 @@ class BlockMask:
 
     Built by :func:`sdpa.create_block_mask`, not by hand. Immutable: its arrays are read-only.
     The tiled path of :func:`sdpa.flex_attention` keeps, beside the mask, what ``mask_mod``
-    gave on its partial blocks (``sdpa.flex.PLAN_CACHE_BYTES`` at most), so that a mask used by
+    gave on its partial blocks (``sdpa.tuning.PLAN_CACHE_BYTES`` at most), so that a mask used by
     many calls evaluates each partial block once: like the block structure, a snapshot of
     ``mask_mod`` (a mask whose ``mask_mod`` reads data that changed must be created again).
     Those plans go with the mask, and are not part of it: a mask pickles and deep-copies at
@@ -254,59 +252,6 @@ class BlockMask:
             f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
             f"sparsity={self.sparsity():.2f}%)"
         )
-
-
-class PlanCache:
-    """What the tiled path of :func:`sdpa.flex_attention` derives from rows of a block mask (the
-    plans of its rows: their pieces, what ``mask_mod`` gave on their partial blocks), keyed by
-    the call's settings and the row; shared by the worker threads of a call, and kept beside
-    the mask for later calls (up to ``budget`` bytes of masks, whatever the settings; when
-    full, it starts over). Each plan has ``nbytes``.
-
-    A plan depends on its row of the mask and the settings alone, never on the inputs, so
-    which thread made it, or which call, does not change a bit of any result. Two threads that
-    miss the same row both make its plan, and the first one kept serves later units.
-    """
-
-    def __init__(self, budget: int):
-        self.budget = budget
-        self.plans: dict = {}
-        self.nbytes = 0
-        self.lock = threading.Lock()
-
-    def get(self, key: tuple, make: Callable):
-        """The plan of ``key``, made by ``make()`` if it is not kept."""
-        plan = self.plans.get(key)
-        if plan is not None:
-            return plan
-        plan = make()
-        with self.lock:
-            if key in self.plans:
-                return self.plans[key]
-            if self.nbytes + plan.nbytes > self.budget:
-                self.plans.clear()
-                self.nbytes = 0
-            if plan.nbytes <= self.budget:
-                self.plans[key] = plan
-                self.nbytes += plan.nbytes
-        return plan
-
-
-# The plans of each block mask, beside it rather than in it: the mask stays an immutable value
-# that pickles and deep-copies whatever calls it served (a copy makes its own plans), and its
-# plans go when it goes (a BlockMask hashes by identity).
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PLANS_LOCK = threading.Lock()
-
-
-def plans_beside(block_mask: BlockMask, budget: int) -> PlanCache:
-    """The :class:`PlanCache` kept for ``block_mask`` (made on first use, with ``budget``,
-    once whichever thread asks)."""
-    with _PLANS_LOCK:
-        plans = _PLANS.get(block_mask)
-        if plans is None:
-            plans = _PLANS[block_mask] = PlanCache(budget)
-        return plans
 
 
 def _torch_layout(chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,8 @@
-"""The cost model behind ``implementation="auto"``: which path is faster for a problem.
+"""The cost models behind ``implementation="auto"``: which path is faster for a problem.
+
+Both rules live here, side by side: :func:`worth_tiling` for
+:func:`sdpa.scaled_dot_product_attention` (and its backward), :func:`flex_worth_tiling` for
+:func:`sdpa.flex_attention`. Neither times anything: the choice is made from the shapes.
 
 :func:`worth_tiling` is the rule that :func:`sdpa.scaled_dot_product_attention` and its
 backward both follow; :func:`estimated_times` predicts the wall time of the reference path and
@@ -16,14 +20,19 @@ import numpy as np
 from ._checks import available_memory
 from .problem import AttentionProblem
 from .threads import default_num_threads
-from .tiled import tile_plan_sizes
+from .tiles.band import tile_plan_sizes
+from .tiles.blocks import unit_count
 
 __all__ = [
     "CACHED_READ",
+    "DECODING_GROUP",
+    "FLEX_MIN_TILED_SCORES",
     "MIN_TILED_SCORES",
+    "MIN_UNIT_SCORES",
     "REFERENCE_COST",
     "TILED_COST",
     "estimated_times",
+    "flex_worth_tiling",
     "tiling_geometry",
     "worth_tiling",
 ]
@@ -256,3 +265,86 @@ def worth_tiling(problem: AttentionProblem) -> bool:
         available = available_memory()
         return available is not None and need > available / 4
     return False
+
+
+# -- flex_attention's rule ------------------------------------------------------------------
+
+# flex_attention's implementation="auto" takes the tiled path when the reference path's score
+# matrix holds at least FLEX_MIN_TILED_SCORES scores and the tiled path's work units hold at
+# least MIN_UNIT_SCORES scores each on average (a unit costs tens of microseconds of Python
+# between NumPy calls, which many small heads cannot amortise), or when the reference path's
+# arrays would take more than a quarter of the available memory. Both paths timed on 14 shapes
+# (float32, width 64, with and without a causal mask; 2-core Xeon): below 2**19 scores the
+# reference path was up to 1.7 times as fast (at a few milliseconds); above, the tiled path was
+# the faster wherever the units held 2**14 scores, and 4 to 17 times slower for heads of
+# 16 x 16 and 32 x 32 scores. The units are counted as the tiled path cuts the work, several
+# key heads to a unit where the mask allows (sdpa.tiles.blocks.unit_count). Timed again on 19
+# shapes after that (B x H from 1 x 2 to 256 x 8, T = S from 32 to 2048, widths 16 to 64, each
+# with and without a causal mask; Sapphire Rapids, two threads): the rule took the faster path,
+# or one within 5 %, in 37 of the 38 cases, the other (64 x 16 heads of 32 x 32 scores,
+# causal) taking 1.23 times as long; counting one unit per key head it had missed 4, by up to
+# 2.4 times. 2**15 would miss 2, by up to 1.64 times.
+#: Below this many scores (summed over heads) flex's ``"auto"`` never tiles ...
+FLEX_MIN_TILED_SCORES = 1 << 19
+#: ... nor when its units would hold fewer scores than this, on average.
+MIN_UNIT_SCORES = 1 << 14
+
+# One query row per head (decoding): the reference path's products are matrix-vector products,
+# which stream each key head once and re-read it from the cache for the other query heads of
+# its group, while a tiled unit of G rows reads the same keys and adds its Python. Up to
+# DECODING_GROUP query heads per key head the reference path was the faster: 32 and 64 query
+# heads over 8 key heads, S = 2048 to 16384 (width 64, float32, 2-core Xeon), tiled 1.03 to
+# 1.33 times as long; with 16 per key head it was 1.29 times as fast at S = 2048 but 8 times
+# slower at S = 16384, with 32 the slower at S = 4096 already.
+#: Decoding (one query row) with at most this many query heads per key head stays unfolded.
+DECODING_GROUP = 8
+
+
+def flex_worth_tiling(
+    shape: tuple[int, int, int, int, int], kinds: np.ndarray, block_q: int, block_kv: int, itemsize
+) -> bool:
+    """Whether :func:`sdpa.flex_attention`'s ``implementation="auto"`` takes the tiled path.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        ``(B, Hkv, G, T, S)``: batch entries, key heads, query heads per key head, queries, keys.
+    kinds : (1 or B, 1 or Hq, n_q, n_kv) np.ndarray
+        What each block holds (:attr:`sdpa.BlockMask.kinds`, or all full without a mask).
+    block_q, block_kv : int
+        The blocks' sizes (the last of each axis may be shorter).
+    itemsize : int
+        Bytes of the working dtype.
+
+    Returns
+    -------
+    bool
+        False below ``FLEX_MIN_TILED_SCORES`` scores; above, True when the units of the tiled
+        path would hold ``MIN_UNIT_SCORES`` computed scores each on average (except decoding
+        with at most ``DECODING_GROUP`` query heads per key head), or when the reference
+        path's arrays would take more than a quarter of the available memory.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.cost_model import flex_worth_tiling
+    >>> full = np.full((1, 1, 32, 1), 2)  # 32 blocks of 128 queries, one of 4096 keys: full
+    >>> flex_worth_tiling((1, 8, 1, 4096, 4096), full, 128, 4096, 4)  # 8 heads of 4096 x 4096
+    True
+    >>> flex_worth_tiling((1, 8, 1, 16, 16), np.full((1, 1, 1, 1), 2), 16, 16, 4)  # 8 x 16 x 16
+    False
+    """
+    B, Hkv, G, T, S = shape
+    n_scores = B * Hkv * G * T * S
+    if n_scores < FLEX_MIN_TILED_SCORES:
+        return False
+    rows = np.diff(np.minimum(np.arange(kinds.shape[2] + 1) * block_q, T))  # (n_q,)
+    cols = np.diff(np.minimum(np.arange(kinds.shape[3] + 1) * block_kv, S))  # (n_kv,)
+    per_mask = int(((kinds != 0) * rows[:, None] * cols[None, :]).sum())
+    computed = per_mask * (B * Hkv * G) // (kinds.shape[0] * kinds.shape[1])
+    units = unit_count(B, Hkv, G, kinds, block_q, block_kv)
+    if computed >= MIN_UNIT_SCORES * units and not (T == 1 and G <= DECODING_GROUP):
+        return True
+    need = 3 * n_scores * itemsize
+    available = available_memory() if need > (1 << 28) else None
+    return available is not None and need > available / 4

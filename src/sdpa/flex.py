@@ -49,10 +49,6 @@ Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``G = Hq /
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +58,6 @@ from numpy.typing import ArrayLike
 from ._checks import (
     ATTENTION_MASK_HINT,
     as_array,
-    available_memory,
     broadcasts_to,
     check_bool,
     check_memory,
@@ -70,85 +65,24 @@ from ._checks import (
     check_query_key_value,
     lse_dtype,
 )
-from .block_mask import (
-    FULL,
-    PARTIAL,
-    BlockMask,
-    PlanCache,
-    check_mod,
-    evaluate_mask_mod,
-    index_arrays,
-    plans_beside,
-)
-from .problem import AttentionProblem, check_overflow, overflow_checked
-from .problem import prepare_attention as _prepare_attention  # public in sdpa.problem only
+from .block_mask import FULL, PARTIAL, BlockMask, check_mod, evaluate_mask_mod, index_arrays
+from .cost_model import flex_worth_tiling
+from .problem import AttentionProblem, check_overflow, overflow_checked, prepare_attention
 from .softmax_stable import softmax_and_lse
-from .threads import default_num_threads, run_in_threads, single_threaded_blas
-from .tiled import (
-    LAZY_BOUND,  # e ** +-LAZY_MARGIN: the lazy steps' row sums
-    LAZY_FLOOR,
-    value_exponents,
-    values_may_be_out_of_range,
-    widen_column_top,
-)
-from .tuning import tile_exponential
+from .threads import default_num_threads
+from .tiles.blocks import Piece, PlanCache, RowPlan, mask_row, plans_beside, row_plan, unit_list
+from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
+from .tiles.softmax import LOG2E, OnlineSoftmax, Workspace
+from .tiles.workers import Counts, column_top, run_units
+from .tuning import PIECE_KEYS, PLAN_CACHE_BYTES, UNIT_ROWS, tile_exponential
 
 __all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
 
 SCORE_MOD_SIGNATURE = "score_mod(score, b, h, q_idx, kv_idx) -> array"
-LOG2E = 1 / math.log(2)  # 2 ** (x * LOG2E) = e ** x
-LN2 = math.log(2)
-
-# Query rows of a work unit without a block mask (the heads folded in count as rows): the
-# BlockMask's default block.
-BLOCK_ROWS = 128
-# Keys per product of the tiled path: a query block's gathered key blocks are cut into pieces
-# of at most this many keys. A (128, 4096) float32 tile of scores is 2 MiB. At T = S = 4096, 8
-# heads of width 64 in float32 on one core of the benchmark machine (2-core Xeon, Sapphire
-# Rapids; best of 5), 4096 took 0.98 to 0.99 of the CPU time of 2048 and 0.86 to 0.87 of 512,
-# with a causal block mask and without a mask.
-BLOCK_K = 4096
-
-# implementation="auto" takes the tiled path when the reference path's score matrix holds at
-# least MIN_TILED_SCORES scores and the tiled path's work units hold at least MIN_UNIT_SCORES
-# scores each on average (a unit costs tens of microseconds of Python between NumPy calls,
-# which many small heads cannot amortise), or when the reference path's arrays would take
-# more than a quarter of the available memory. Both paths timed on 14 shapes (float32, width
-# 64, with and without a causal mask; 2-core Xeon): below 2**19 scores the reference path was
-# up to 1.7 times as fast (at a few milliseconds); above, the tiled path was the faster
-# wherever the units held 2**14 scores, and 4 to 17 times slower for heads of 16 x 16 and
-# 32 x 32 scores. The units are counted as the tiled path cuts the work, several key heads to
-# a unit where the mask allows (_unit_count). Timed again on 19 shapes after that (B x H from
-# 1 x 2 to 256 x 8, T = S from 32 to 2048, widths 16 to 64, each with and without a causal
-# mask; Sapphire Rapids, two threads): the rule took the faster path, or one within 5 %, in
-# 37 of the 38 cases, the other (64 x 16 heads of 32 x 32 scores, causal) taking 1.23 times
-# as long; counting one unit per key head it had missed 4, by up to 2.4 times. 2**15 would
-# miss 2, by up to 1.64 times.
-MIN_TILED_SCORES = 1 << 19
-MIN_UNIT_SCORES = 1 << 14
-
-# A unit takes the same query block of several key heads when the mask does not depend on the
-# head: up to UNIT_SCORES scores, and never so many heads that the call has fewer than MIN_UNITS
-# units (to share among threads). Every unit costs tens to hundreds of microseconds of Python,
-# during which another worker thread waits whenever it needs the GIL too. At T = S = 4096, 8
-# heads of width 64, float32, two threads (2-core Xeon, Sapphire Rapids), units of all 8 heads
-# took 245 ms without a mask and 143 ms with a causal block mask, against 270 and 170 ms with a
-# unit per head (and 2**20 or 2**21 scores: in between); on one thread, within 4 % either way.
-UNIT_SCORES = 1 << 22  # 8 query blocks of 128 rows by 4096 keys: 16 MiB of float32
-MIN_UNITS = 16
-
-# A block mask keeps the tiled path's plans of its rows (their pieces, and what mask_mod gave on
-# their partial blocks) for every later call with the same settings, up to PLAN_CACHE_BYTES of
-# masks: a mask made once and used by every layer and step evaluates each partial block once,
-# as create_block_mask evaluated each block once. At T = S = 4096, 8 heads of width 64, float32,
-# two threads (2-core Xeon), a causal call spent about 8 ms of its threads' time making its 32
-# plans (mask_mod on a 128 x 128 block, its bias: about 75 us each alone, more while the other
-# thread contends for the GIL); kept, the call took 124-129 ms instead of 134-137.
-PLAN_CACHE_BYTES = 1 << 26  # 64 MiB: causal at T = S = 32768 keeps 16 MiB of float32 biases
 
 
 @dataclass
-class FlexStats:
+class FlexStats(Counts):
     """Counters of the work the tiled path of :func:`sdpa.flex_attention` did.
 
     Filled when passed to :func:`flex_attention_tiled` as ``stats``. Blocks are those of the
@@ -210,8 +144,7 @@ class FlexStats:
         >>> total.units, total.computed, total.skipped
         (3, 8, 1)
         """
-        for field in dataclasses.fields(self):
-            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+        super().add(other)
 
 
 # ----------------------------------------------------------------------------------------
@@ -262,7 +195,7 @@ def _check_call(query, key, value, score_mod, block_mask, scale, enable_gqa) -> 
             "block_mask must be a BlockMask made by sdpa.create_block_mask, or None; "
             f"got {type(block_mask).__name__}"
         )
-    problem = _prepare_attention(q, k, v, None, False, scale=scale, enable_gqa=enable_gqa)
+    problem = prepare_attention(q, k, v, None, False, scale=scale, enable_gqa=enable_gqa)
     T, S, Dk = problem.T, problem.S, problem.Dk
     B = problem.batch_shape[0]
     k, v = problem.key, problem.value
@@ -370,26 +303,27 @@ def _flex_reference(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class _Tiling:
-    """What every work unit reads and writes."""
+    """The plan of a call: what every work unit reads and writes."""
 
     call: _FlexCall
     factor: np.floating  # the queries' factor: the scale, times log2(e) in base 2
     kinds: np.ndarray  # (1 or B, 1 or Hq, n_q, n_kv) int8: EMPTY, PARTIAL or FULL
     block_q: int  # query positions per block
     block_kv: int  # keys per block
-    block_k: int  # keys per product, at most (at least one block)
-    exp: Callable  # the exponential of the tiles: numpy.exp, or numpy.exp2 on scores in base 2
+    block_k: int  # keys per piece, at most (at least one block)
+    exp: Callable  # the exponential of the pieces: numpy.exp, or numpy.exp2 on scores in base 2
     plans: PlanCache  # the plans of the mask's rows: kept beside the block mask, or the call's
-    settings: tuple  # what a plan depends on besides its row: (block_k, base 2, dtype)
+    units: list  # (b, hk0, hk1, g0, g1, query block) of every unit
     out: np.ndarray  # (B, Hkv, G, T, Dv), written by the units (every row: not zeroed first)
     lse: np.ndarray  # (B, Hkv, G, T)
     value: np.ndarray  # (B, Hkv, 1, S, Dv): the call's, or scaled by 2 ** -v_exp
     v_exp: np.ndarray | None  # (Dv,) int: the powers of two the values were scaled by, or None
 
-
-def _mask_row(kinds: np.ndarray, b: int, h: int, m: int) -> tuple[int, int, int]:
-    """Where batch entry ``b``, query head ``h`` and query block ``m`` read ``kinds``."""
-    return (b if kinds.shape[0] > 1 else 0, h if kinds.shape[1] > 1 else 0, m)
+    def space(self) -> Workspace:
+        """A worker's buffers, for the largest unit and piece of the plan."""
+        rows = max((u[2] - u[1]) * (u[4] - u[3]) for u in self.units) * self.block_q
+        keys = min(self.call.problem.S, max(self.block_k, self.block_kv))
+        return Workspace(rows, keys, self.call.problem.Dv, self.call.dtype)
 
 
 def _blocks(call: _FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
@@ -399,7 +333,7 @@ def _blocks(call: _FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
     if bm is not None:
         return bm.kinds, *bm.BLOCK_SIZE
     T, S = call.problem.T, call.problem.S
-    block_q = max(1, BLOCK_ROWS // call.G)
+    block_q = max(1, UNIT_ROWS // call.G)
     block_kv = min(block_k, S)
     return (
         np.full((1, 1, -(-T // block_q), -(-S // block_kv)), FULL, dtype=np.int8),
@@ -410,7 +344,6 @@ def _blocks(call: _FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
 
 def _tiling(call: _FlexCall, block_k: int, v_exp: np.ndarray | None = None) -> _Tiling:
     problem, bm = call.problem, call.block_mask
-    T = problem.T
     kinds, block_q, block_kv = _blocks(call, block_k)
     # Scores in base 2 where exp2 is the faster (the scale times log2(e): 2 ** x is e ** score),
     # unless a score_mod must see them in natural units or a score may overflow.
@@ -427,273 +360,26 @@ def _tiling(call: _FlexCall, block_k: int, v_exp: np.ndarray | None = None) -> _
         block_k=block_k,
         exp=exp,
         plans=PlanCache(PLAN_CACHE_BYTES) if bm is None else plans_beside(bm, PLAN_CACHE_BYTES),
-        settings=(block_k, exp is np.exp2, call.dtype.str),
-        out=np.empty((call.B, call.Hkv, call.G, T, problem.Dv), dtype=call.dtype),
-        lse=np.full((call.B, call.Hkv, call.G, T), -np.inf, dtype=call.dtype),
+        units=unit_list(call.B, call.Hkv, call.G, kinds, block_q, block_kv),
+        out=np.empty((call.B, call.Hkv, call.G, problem.T, problem.Dv), dtype=call.dtype),
+        lse=np.full((call.B, call.Hkv, call.G, problem.T), -np.inf, dtype=call.dtype),
         value=call.value if v_exp is None else np.ldexp(call.value, -v_exp),  # exact
         v_exp=v_exp,
     )
 
 
-def _units(
-    call: _FlexCall, kinds: np.ndarray, block_q: int, block_kv: int
-) -> list[tuple[int, int, int, int, int, int]]:
-    """``(b, hk0, hk1, g0, g1, query_block)`` of every unit: the query heads ``g0:g1`` of the
-    key heads ``hk0:hk1``; head after head, and the query blocks of a head the costliest first.
-
-    A unit holds one key head, unless the mask does not depend on the head: then it holds as
-    many key heads as keep its scores within ``UNIT_SCORES`` and the call's units at least
-    ``MIN_UNITS`` (the fold depends on the shapes and the mask only, not on the threads).
-
-    Head after head keeps a head's keys and values in the cache from one unit to the next
-    (under a causal mask each unit reads a prefix of the previous one's). Ordered by cost
-    alone, the 8 heads' units of one query block came one after the other, each reading keys
-    another head had pushed out: the causal call at T = S = 4096 (8 heads of width 64,
-    float32, one thread) took about 3 % more CPU time. Within a head the costliest come first,
-    so the last units of the call are short.
-    """
-    nonempty = np.count_nonzero(kinds, axis=-1)  # (1 or B, 1 or Hq, n_q)
-    units = []
-    if kinds.shape[1] > 1:  # the mask depends on the head
-        for b, hk, g, m in itertools.product(
-            range(call.B), range(call.Hkv), range(call.G), range(kinds.shape[2])
-        ):
-            cost = int(nonempty[_mask_row(kinds, b, hk * call.G + g, m)])
-            units.append((cost, (b, hk, hk + 1, g, g + 1, m)))
-    else:
-        for b, m in itertools.product(range(call.B), range(kinds.shape[2])):
-            cost = int(nonempty[_mask_row(kinds, b, 0, m)])
-            fold = int(_fold(call, kinds.shape[2], np.array(cost), block_q, block_kv))
-            for hk in range(0, call.Hkv, fold):
-                units.append((cost, (b, hk, min(call.Hkv, hk + fold), 0, call.G, m)))
-    units.sort(key=lambda u: (u[1][0], u[1][1], u[1][3], -u[0]))  # by (b, hk0, g0), then cost
-    return [u[1] for u in units]
-
-
-def _fold(call: _FlexCall, n_q: int, cost: np.ndarray, block_q: int, block_kv: int) -> np.ndarray:
-    """Key heads per unit for rows of the mask with ``cost`` non-empty blocks (an array), when
-    the mask does not depend on the head: within ``UNIT_SCORES`` scores and ``MIN_UNITS``
-    units."""
-    most = max(1, call.B * call.Hkv * n_q // MIN_UNITS)
-    scores = np.maximum(1, cost * (block_kv * call.G * block_q))  # per key head
-    return np.maximum(1, np.minimum(min(call.Hkv, most), UNIT_SCORES // scores))
-
-
-def _unit_count(call: _FlexCall, kinds: np.ndarray, block_q: int, block_kv: int) -> int:
-    """``len(_units(...))``, without listing them."""
-    n_q = kinds.shape[2]
-    if kinds.shape[1] > 1:
-        return call.B * call.Hq * n_q
-    cost = np.count_nonzero(kinds[:, 0], axis=-1)  # (1 or B, n_q)
-    per_row = -(-call.Hkv // _fold(call, n_q, cost, block_q, block_kv))
-    return int(per_row.sum()) * (call.B // kinds.shape[0])
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """The keys of one product: blocks of one kind, full or partial (those need ``mask_mod``).
-
-    Full and partial blocks go into separate pieces, so that every operation on a piece's
-    scores runs on a contiguous tile. (The columns of a partial block inside a wider tile are
-    a strided view, on which NumPy copied through buffers: at T = S = 4096, 8 heads of width
-    64, float32, one thread, 2-core Xeon, the causal call spent 4 % of its time in those
-    copies, and took 0.56 of the unmasked call's time in its units, against 0.54 apart.)
-    """
-
-    spans: tuple[tuple[int, int], ...]  # key ranges s0:s1 of runs of consecutive blocks
-    masked: bool  # partial blocks: mask_mod applies; else full ones
-
-    @classmethod
-    def of(cls, blocks: list[int], masked: bool, block_kv: int, S: int) -> _Piece:
-        spans = []
-        for n in blocks:
-            s0, s1 = n * block_kv, min(S, (n + 1) * block_kv)
-            if spans and spans[-1][1] == s0:  # the next block of a run: one view for both
-                spans[-1] = (spans[-1][0], s1)
-            else:
-                spans.append((s0, s1))
-        return cls(tuple(spans), masked)
-
-    def cols(self) -> np.ndarray:
-        """``(keys,)``: the key positions, in order (made when asked: plans are kept)."""
-        return np.concatenate([np.arange(s0, s1) for s0, s1 in self.spans])
-
-    def gather(self, x: np.ndarray) -> np.ndarray:
-        """The piece's rows of ``x`` ``(..., S, D)``: a view for one run of blocks, else a copy."""
-        if len(self.spans) == 1:
-            ((s0, s1),) = self.spans
-            return x[..., s0:s1, :]
-        return np.concatenate([x[..., s0:s1, :] for s0, s1 in self.spans], axis=-2)
-
-
-class _Softmax:
-    """The online softmax of one unit's rows over its pieces: ``m``, ``l`` and ``acc``.
-
-    In base 2 (``exp`` is ``numpy.exp2``) the scores are ``log2(e)`` times the natural ones and
-    so are ``m`` and the shift; the lse is converted back. SVML's ``exp2`` is several times
-    slower on ``-inf`` than on finite numbers, so the tiles of partial blocks, where the
-    disallowed entries are ``-inf``, take ``exp(x ln 2)`` instead.
-    """
-
-    def __init__(self, exp: Callable, modified: bool):
-        self.exp = exp
-        self.modified = modified  # a score_mod made the scores: any of them may be +-inf
-        self.finite = False  # every row has had a finite score: m is finite, and then l >= 1
-        self.m = None  # running maximum (after a lazy step: the shift), (rows,)
-        self.shift = None  # what l and acc are relative to: m, or 0 where m = -inf
-        self.l = None  # running normaliser, (rows,)
-        self.acc = None  # sum of exp(score - shift) v, (rows, Dv)
-
-    def add(self, tile: np.ndarray, value: np.ndarray, piece: _Piece, lazy: bool = True) -> bool:
-        """Fold in a piece: its scores ``(1, heads, Bq, keys)`` (overwritten), with disallowed
-        entries at ``-inf`` if its blocks are partial, and its values ``(n, keys, Dv)`` (of
-        the unit's ``n`` key heads, each for ``heads / n`` query heads).
-
-        A first piece of full blocks first tries the shift 0, and a later piece, once every
-        row has a finite shift, the row's present shift (the lazy step); False means that it
-        failed and changed nothing but the tile: fold the piece in again, ``lazy=False``.
-        """
-        s = tile.reshape(-1, tile.shape[-1])  # (rows, keys) view
-        if lazy and self.m is None and not (piece.masked or self.modified):
-            return self.start_at_zero(s, value, piece)
-        if lazy and self.finite:
-            return self.lazy_add(s, value, piece)
-        m = s.max(axis=1)  # NaN stays NaN
-        if self.m is not None:
-            m = np.maximum(self.m, m)
-        # a piece of full blocks gives every row a finite score
-        self.finite = self.finite or not (piece.masked or self.modified)
-        shift = m  # a row with no score yet keeps the shift 0
-        if not self.finite:
-            shift = np.where(np.isneginf(m), 0, m).astype(s.dtype, copy=False)
-        # Scores and m far below the shift (near -finfo.max) may give -inf, whose exp is 0 as
-        # it should be; a score_mod's +inf gives inf - inf = NaN, its row's result; values near
-        # the largest number overflow acc, found and redone (see _products).
-        with np.errstate(over="ignore", invalid="ignore"):
-            np.subtract(s, shift[:, None], out=s)
-            self.exponential(s, piece)  # every exponent <= 0
-            l_piece = s.sum(axis=1)
-            acc_piece = _products(s, value)
-            if self.m is None:
-                self.l, self.acc = l_piece, acc_piece
-            else:
-                alpha = self.exp(self.m - shift)  # 0 where nothing was seen yet; <= 1
-                self.l = self.l * alpha + l_piece
-                self.acc = self.acc * alpha[:, None] + acc_piece
-        self.m, self.shift = m, shift
-        return True
-
-    def start_at_zero(self, s: np.ndarray, value: np.ndarray, piece: _Piece) -> bool:
-        """The first piece at the shift 0 for every row: ``exp(s)`` straight away, with no row
-        maximum and no subtraction, two passes fewer over the tile (without a mask, the whole
-        row is one piece: T = S = 4096, 8 heads of 64, float32, one thread, 0.85 of the time).
-        Exact when every row sum lies between ``LAZY_FLOOR`` and ``LAZY_BOUND``: no term
-        overflows, and none that matters underflows."""
-        with np.errstate(over="ignore"):  # a score far above 0: inf, and the step fails
-            self.exponential(s, piece)
-        l_piece = s.sum(axis=1)
-        if not (l_piece.max() <= LAZY_BOUND and l_piece.min() >= LAZY_FLOOR):
-            return False
-        self.m = self.shift = np.zeros(s.shape[0], dtype=s.dtype)
-        self.l, self.acc = l_piece, _products(s, value)
-        self.finite = True
-        return True
-
-    def lazy_add(self, s: np.ndarray, value: np.ndarray, piece: _Piece) -> bool:
-        """The lazy step: add ``exp(s - shift)`` at each row's present shift, with no row
-        maximum and no rescaling of ``l`` and ``acc``. It is exact while no score exceeds the
-        shift by more than ``LAZY_MARGIN``, which the row sums prove (each term is at most its
-        row's sum; NaN fails too). Under a causal mask this is the diagonal block after the
-        full ones: at T = S = 4096, 8 heads of 64, float32, its step took 0.42 ms instead of
-        0.76 (the row maxima of short rows cost the most).
-        """
-        with np.errstate(over="ignore"):  # a score far above the shift: inf, and the step fails
-            np.subtract(s, self.shift[:, None], out=s)
-            self.exponential(s, piece)
-        l_piece = s.sum(axis=1)
-        if not l_piece.max() <= LAZY_BOUND:
-            return False
-        self.l += l_piece
-        with np.errstate(over="ignore", invalid="ignore"):  # as in _products
-            self.acc += _products(s, value)
-        return True
-
-    def exponential(self, s: np.ndarray, piece: _Piece) -> None:
-        """``exp`` of ``s`` in place; in base 2, ``exp(x ln 2)`` on a tile of partial blocks."""
-        if self.exp is np.exp2 and piece.masked:
-            np.multiply(s, s.dtype.type(LN2), out=s)
-            np.exp(s, out=s)
-        else:
-            self.exp(s, out=s)
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(out, lse)``: ``acc / l`` and ``shift + log l`` in natural units; 0 and -inf where
-        ``l = 0``."""
-        shift = self.shift * self.shift.dtype.type(LN2) if self.exp is np.exp2 else self.shift
-        if self.finite:  # l >= 1: the largest score adds exp(0)
-            lse = np.log(self.l)
-            lse += shift
-            return self.acc / self.l[:, None], lse
-        empty = self.l == 0  # NaN is not empty: it stays NaN
-        l = np.where(empty, 1, self.l)
-        out = self.acc / l[:, None]
-        with np.errstate(invalid="ignore"):
-            lse = shift + np.log(l)
-        if empty.any():
-            out[empty] = 0
-            lse[empty] = -np.inf
-        return out, lse
-
-
-def _products(p: np.ndarray, value: np.ndarray) -> np.ndarray:
-    """``p @ value`` per key head: ``(n, rows / n, keys) @ (n, keys, Dv)`` as ``(rows, Dv)``.
-
-    Values near the dtype's largest number may overflow here (``inf``, or NaN from mixed
-    signs), silently: the call finds it in the result and computes again on scaled values."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        products = p.reshape(value.shape[0], -1, p.shape[1]) @ value  # (n, rows / n, Dv)
-    return products.reshape(p.shape[0], value.shape[-1])  # (Dv = 0 is allowed)
-
-
-@dataclass(frozen=True)
-class _RowPlan:
-    """What the units of one row of the block mask do (the row of a batch entry, a head and a
-    query block): its pieces, each with its mask (None for a piece of full blocks)."""
-
-    computed: int  # non-empty blocks
-    partial: int  # partial ones
-    pieces: tuple[tuple[_Piece, np.ndarray | None], ...]  # the masks read-only: plans are shared
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of its masks."""
-        return sum(mask.nbytes for _, mask in self.pieces if mask is not None)
-
-
 class _Worker:
-    """One thread: its counts, and the units it takes.
+    """One thread: its buffers, its counts, and the walk of each unit it takes.
 
     Units whose rows of the block mask are equal (the heads and batch entries of a mask
     created with None, the same query block) share a plan, made once
-    (:class:`sdpa.block_mask.PlanCache`).
+    (:class:`sdpa.tiles.blocks.PlanCache`).
     """
 
     def __init__(self, tiling: _Tiling):
         self.tiling = tiling
+        self.space = tiling.space()
         self.stats = FlexStats()
-        self.top = np.zeros(tiling.call.problem.Dv, tiling.call.dtype)  # largest |out| per column
-
-    def drain(self, units: list, counter, failed: list) -> None:
-        """Take units from the shared list until it is empty, or another worker failed."""
-        try:
-            while not failed:
-                i = next(counter)
-                if i >= len(units):
-                    return
-                self.run(*units[i])
-        except BaseException:
-            failed.append(True)
-            raise
 
     def run(self, b: int, hk0: int, hk1: int, g0: int, g1: int, m: int) -> None:
         """Attention of the query block ``m`` of the query heads ``g0:g1`` of the key heads
@@ -703,128 +389,125 @@ class _Worker:
         G, heads = call.G, (hk1 - hk0) * (g1 - g0)
         t0, t1 = m * tiling.block_q, min(call.problem.T, (m + 1) * tiling.block_q)
         h = range(hk0 * G + g0, hk0 * G + g0 + heads)  # query heads, in order
-        plan = self.plan(b, h, m, t0, t1)
+        row = mask_row(tiling.kinds, b, h.start, m)
+        plan = tiling.plans.get((tiling.block_k, row), lambda: self.make_plan(row, t0, t1))
         stats.units += 1
         stats.tiles += len(plan.pieces)
         if call.block_mask is not None:
             stats.computed += heads * plan.computed
             stats.skipped += heads * (tiling.kinds.shape[-1] - plan.computed)
             stats.masked += heads * plan.partial
+        out = tiling.out[b, hk0:hk1, g0:g1, t0:t1]  # (n, G', Bq, Dv) view
         if not plan.pieces:  # every block empty: out 0, and lse -inf as set up
-            tiling.out[b, hk0:hk1, g0:g1, t0:t1] = 0
+            out[...] = 0
             return
         with overflow_checked(call.problem):  # scaled here, in the worker threads
             q_tile = call.query[b, hk0:hk1, g0:g1, t0:t1] * tiling.factor  # (n, G', Bq, Dk)
-        q_tile = q_tile.reshape(hk1 - hk0, (g1 - g0) * (t1 - t0), -1)  # (n, G' Bq, Dk)
+        q_tile = q_tile.reshape(hk1 - hk0, heads // (hk1 - hk0) * (t1 - t0), -1)  # (n, G' Bq, Dk)
         key, value = call.key[b, hk0:hk1, 0], tiling.value[b, hk0:hk1, 0]  # (n, S, Dk), (n, S, Dv)
-        softmax = _Softmax(tiling.exp, modified=call.score_mod is not None)
-        for piece, mask in plan.pieces:
-            keys, values = piece.gather(key), piece.gather(value)
-            scores = self.scores(q_tile, keys, piece, mask, (b, h, t0, t1))
-            if not softmax.add(scores, values, piece):  # the lazy step failed: a new shift
+        softmax = _Unit(self, q_tile, key, value, (b, h, t0, t1)).walk(plan.pieces)
+        lse, _, _ = softmax.finish(out)
+        restore_scale(out, tiling.v_exp, self.space.top)
+        tiling.lse[b, hk0:hk1, g0:g1, t0:t1] = lse.reshape(out.shape[:-1])
+
+    def make_plan(self, row: tuple[int, int, int], t0: int, t1: int) -> RowPlan:
+        """The plan of the row ``kinds[row]`` of queries ``t0:t1``."""
+        tiling = self.tiling
+        mask_mod = None if tiling.call.block_mask is None else tiling.call.block_mask.mask_mod
+        return row_plan(
+            tiling.kinds[row],
+            mask_mod,
+            row[:2],
+            range(t0, t1),
+            tiling.block_kv,
+            tiling.call.problem.S,
+            tiling.block_k,
+        )
+
+
+class _Unit:
+    """One unit's walk over its pieces: the queries ``q_tile`` ``(n, rows / n, Dk)`` of ``n``
+    key heads, their keys and values ``(n, S, D)``, and the online softmax of the rows.
+
+    Without a ``score_mod``, a unit whose first piece is full starts every row at the shift 0
+    (no row maximum, no subtraction on that piece); its later pieces take the lazy step at the
+    shifts they find, each checked by its row sums and computed again by the exact step in the
+    rare case that fails (counted in ``FlexStats.redone``).
+    """
+
+    def __init__(self, worker: _Worker, q_tile, key, value, where: tuple):
+        self.worker, self.q_tile, self.key, self.value = worker, q_tile, key, value
+        self.rows = q_tile.shape[0] * q_tile.shape[1]
+        self.where = where  # (b, query heads, t0, t1)
+
+    def walk(self, pieces) -> OnlineSoftmax:
+        """Add the pieces (each with its mask, True = disallowed, or None) in order."""
+        tiling, stats = self.worker.tiling, self.worker.stats
+        modified = tiling.call.score_mod is not None
+        at_zero = not (modified or pieces[0][0].masked)
+        softmax = self.softmax(at_zero)
+        for i, (piece, mask) in enumerate(pieces):
+            keys, values = piece.gather(self.key), piece.gather(self.value)
+            if softmax.all_started:
+                scores = self.scores(keys, piece, mask)
+                if softmax.moved:  # else every shift is 0: nothing to subtract
+                    softmax.subtract_shift(scores)
+                first_at_zero = i == 0 and at_zero
+                if softmax.lazy_step(scores, values, mask) and (
+                    not first_at_zero or softmax.sums_hold()
+                ):
+                    continue
                 stats.redone += 1
-                scores = self.scores(q_tile, keys, piece, mask, (b, h, t0, t1))
-                softmax.add(scores, values, piece, lazy=False)
-        out, lse = softmax.result()
-        if tiling.v_exp is None:  # did the values come near the ends of the range?
-            widen_column_top(self.top, out)
-        else:
-            np.ldexp(out, tiling.v_exp, out=out)  # undo the values' scaling (exact)
-        shape = (hk1 - hk0, g1 - g0, t1 - t0)
-        tiling.out[b, hk0:hk1, g0:g1, t0:t1] = out.reshape(*shape, call.problem.Dv)
-        tiling.lse[b, hk0:hk1, g0:g1, t0:t1] = lse.reshape(shape)
+                if first_at_zero:  # the shift 0 did not hold: start without it
+                    softmax = self.softmax(False)
+            scores = self.scores(keys, piece, mask)
+            if mask is not None:  # replaced: a score_mod's NaN is hidden
+                np.copyto(scores, scores.dtype.type(-np.inf), where=mask)
+            softmax.exact_step(scores, values, masked=mask is not None)
+        return softmax
 
-    def plan(self, b: int, h: range, m: int, t0: int, t1: int) -> _RowPlan:
-        """The plan of the query block ``m`` of batch entry ``b`` and heads ``h`` (kept)."""
-        tiling = self.tiling
-        row = _mask_row(tiling.kinds, b, h.start, m)
-        return tiling.plans.get((tiling.settings, row), lambda: self.make_plan(row, t0, t1))
-
-    def make_plan(self, key: tuple[int, int, int], t0: int, t1: int) -> _RowPlan:
-        """The pieces of the row ``kinds[key]`` of queries ``t0:t1``, with their masks: the full
-        blocks first (a row's first finite score spares the rest the empty-row handling)."""
-        tiling = self.tiling
-        row = tiling.kinds[key]  # (n_kv,): what each key block holds
-        per_piece = max(1, tiling.block_k // tiling.block_kv)
-        pieces = []
-        for kind in (FULL, PARTIAL):
-            blocks = np.flatnonzero(row == kind).tolist()
-            for first in range(0, len(blocks), per_piece):
-                chunk = blocks[first : first + per_piece]
-                piece = _Piece.of(chunk, kind == PARTIAL, tiling.block_kv, tiling.call.problem.S)
-                mask = self.disallowed(piece, key, t0, t1)
-                if mask is not None:
-                    mask.flags.writeable = False
-                pieces.append((piece, mask))
-        return _RowPlan(
-            computed=int(np.count_nonzero(row)),
-            partial=int(np.count_nonzero(row == PARTIAL)),
-            pieces=tuple(pieces),
+    def softmax(self, at_zero: bool) -> OnlineSoftmax:
+        """A fresh online softmax of the unit's rows."""
+        tiling = self.worker.tiling
+        return OnlineSoftmax(
+            self.worker.space,
+            self.rows,
+            tiling.call.problem.Dv,
+            tiling.exp,
+            tiling.exp is np.exp2,
+            at_zero,
         )
 
-    def disallowed(self, piece: _Piece, key: tuple, t0: int, t1: int) -> np.ndarray | None:
-        """The mask of a piece of partial blocks, broadcastable to ``(1, heads, t1 - t0,
-        keys)``: ``~mask_mod`` (True = disallowed), or in base 2 a bias of 0 and ``-inf``,
-        which one addition applies (the scores are finite there); None for full blocks."""
-        tiling = self.tiling
-        if not piece.masked:
-            return None
-        allowed = evaluate_mask_mod(
-            tiling.call.block_mask.mask_mod, [key[0]], [key[1]], range(t0, t1), piece.cols()
-        )
-        if tiling.exp is np.exp2:
-            dtype = tiling.call.dtype
-            return np.where(allowed, dtype.type(0), dtype.type(-np.inf))
-        return ~allowed
-
-    def scores(self, q_tile, keys, piece: _Piece, mask, where) -> np.ndarray:
-        """A piece's masked, modified scores ``(1, heads, t1 - t0, keys)``: ``q_tile`` ``(n,
-        G' Bq, Dk)`` holds the queries of ``n`` key heads, ``keys`` ``(n, keys, Dk)`` their
-        gathered keys; ``mask`` (None for full blocks) is the piece's (:meth:`disallowed`)."""
-        call = self.tiling.call
+    def scores(self, keys: np.ndarray, piece: Piece, mask) -> np.ndarray:
+        """A piece's modified scores ``(1, heads, t1 - t0, keys)`` in the worker's buffer, its
+        mask not applied: ``keys`` ``(n, keys, Dk)`` are the ``n`` key heads' gathered keys."""
+        call = self.worker.tiling.call
         problem = call.problem
-        b, h, t0, t1 = where
+        b, h, t0, t1 = self.where
+        n = self.q_tile.shape[0]
+        scores = self.worker.space.scores_view((n, self.rows // n, keys.shape[1]))
         with overflow_checked(problem):
-            # (n, G' Bq, Dk) @ (n, Dk, keys) -> (n, G' Bq, keys)
-            scores = q_tile @ np.swapaxes(keys, -1, -2)
+            np.matmul(self.q_tile, np.swapaxes(keys, -1, -2), out=scores)
         scores = scores.reshape(1, len(h), t1 - t0, -1)
-        if problem.may_overflow:  # then the scores are in base e: a mask is ~mask_mod
+        if problem.may_overflow:  # then the scores are in base e
             check_overflow(problem, scores, None if mask is None else ~mask, None)
         if call.score_mod is not None:
             scores = _apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols())
-        if mask is not None and mask.dtype == bool:  # replaced: a score_mod's NaN is hidden
-            np.copyto(scores, call.dtype.type(-np.inf), where=mask)
-        elif mask is not None:  # a bias of 0 and -inf
-            np.add(scores, mask, out=scores)
         return scores
 
 
 def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> np.ndarray:
     """Share the units out among worker threads; add their counts to ``stats``. Returns the
     largest ``|out|`` of each column ``(Dv,)``, NaN where a result was NaN."""
-    units = _units(tiling.call, tiling.kinds, tiling.block_q, tiling.block_kv)
-    n_threads = max(1, min(num_threads or default_num_threads(), len(units)))
-    counter = itertools.count()
-    failed = []  # set by a worker whose unit raised: the others stop taking units
+    n_threads = max(1, min(num_threads or default_num_threads(), len(tiling.units)))
     workers = [_Worker(tiling) for _ in range(n_threads)]
-    if n_threads == 1:
-        with single_threaded_blas():  # BLAS's threads slow small products down
-            workers[0].drain(units, counter, failed)
-    else:
-        run_in_threads([functools.partial(w.drain, units, counter, failed) for w in workers])
-    if stats is not None:
-        for w in workers:
-            stats.add(w.stats)
-    return functools.reduce(np.maximum, [w.top for w in workers])
+    run_units(tiling.units, workers, stats)
+    return column_top(workers)
 
 
 def _flex_tiled(call: _FlexCall, block_k: int, num_threads, stats) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time.
-
-    Values near the ends of the range, as :func:`sdpa.tiled.attention_tiled` finds them (the
-    weights of the lazy steps reach ``LAZY_BOUND`` and drop to ``LAZY_FLOOR``): a result that
-    overflowed or came out near the smallest normal numbers is computed again on values scaled
-    by a power of two per column, read only then."""
+    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time;
+    values near the ends of the range as :mod:`sdpa.tiles.ranges` finds them."""
     tiling = _tiling(call, block_k)
     top = _run(tiling, num_threads, stats)
     if values_may_be_out_of_range(top):
@@ -912,38 +595,11 @@ def _empty(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
     return out, np.full(shape, -np.inf, dtype=call.dtype)
 
 
-def _computed_scores(call: _FlexCall, kinds: np.ndarray, block_q: int, block_kv: int) -> int:
-    """Scores the tiled path would compute: the entries of the non-empty blocks."""
-    T, S = call.problem.T, call.problem.S
-    rows = np.diff(np.minimum(np.arange(kinds.shape[2] + 1) * block_q, T))  # (n_q,)
-    cols = np.diff(np.minimum(np.arange(kinds.shape[3] + 1) * block_kv, S))  # (n_kv,)
-    per_mask = int(((kinds != 0) * rows[:, None] * cols[None, :]).sum())
-    return per_mask * (call.B * call.Hq) // (kinds.shape[0] * kinds.shape[1])
-
-
-# One query row per head (decoding): the reference path's products are matrix-vector products,
-# which stream each key head once and re-read it from the cache for the other query heads of
-# its group, while a tiled unit of G rows reads the same keys and adds its Python. Up to
-# DECODING_GROUP query heads per key head the reference path was the faster: 32 and 64 query
-# heads over 8 key heads, S = 2048 to 16384 (width 64, float32, 2-core Xeon), tiled 1.03 to
-# 1.33 times as long; with 16 per key head it was 1.29 times as fast at S = 2048 but 8 times
-# slower at S = 16384, with 32 the slower at S = 4096 already.
-DECODING_GROUP = 8
-
-
 def _worth_tiling(call: _FlexCall) -> bool:
-    """The rule of ``implementation="auto"`` (see ``MIN_TILED_SCORES``): no timing."""
-    T, S = call.problem.T, call.problem.S
-    n_scores = call.B * call.Hq * T * S
-    if n_scores < MIN_TILED_SCORES:
-        return False
-    blocks = _blocks(call, BLOCK_K)  # as the tiled path would cut the work
-    enough = _computed_scores(call, *blocks) >= MIN_UNIT_SCORES * _unit_count(call, *blocks)
-    if enough and not (T == 1 and call.G <= DECODING_GROUP):
-        return True
-    need = 3 * n_scores * call.dtype.itemsize
-    available = available_memory() if need > (1 << 28) else None
-    return available is not None and need > available / 4
+    """The rule of ``implementation="auto"``, from the shapes as the tiled path cuts the work
+    (:func:`sdpa.cost_model.flex_worth_tiling`)."""
+    shape = (call.B, call.Hkv, call.G, call.problem.T, call.problem.S)
+    return flex_worth_tiling(shape, *_blocks(call, PIECE_KEYS), call.dtype.itemsize)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1103,7 +759,7 @@ def flex_attention(
     if _is_empty(call):
         out, lse = _empty(call)
     elif implementation == "tiled" or (implementation == "auto" and _worth_tiling(call)):
-        out, lse = _flex_tiled(call, BLOCK_K, None, None)
+        out, lse = _flex_tiled(call, PIECE_KEYS, None, None)
     else:
         out, lse = _flex_reference(call)
     return _finish(call, out, lse, return_lse)
@@ -1170,7 +826,7 @@ def flex_attention_tiled(
     True
     """
     return_lse = check_bool(return_lse, "return_lse")
-    block_k = BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
+    block_k = PIECE_KEYS if block_k is None else check_positive_int(block_k, "block_k")
     if num_threads is not None:
         num_threads = check_positive_int(num_threads, "num_threads")
     if stats is not None and not isinstance(stats, FlexStats):

@@ -59,10 +59,6 @@ attention, or of any batch axis along which the keys and values do not vary.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,32 +71,30 @@ from ._checks import (
     check_positive_int,
     check_window,
 )
+from .block_mask import EMPTY, PARTIAL
 from .masks import alignment_offset, band_limits
 from .problem import AttentionProblem, check_overflow, mark_poisoned
-from .threads import default_num_threads, run_in_threads, single_threaded_blas
-from .tuning import (
-    BLOCK_K,
-    BLOCK_ROWS,
-    BLOCK_ROWS_FULL,
-    FOLD_LIMIT,
-    LAZY_MARGIN,
-    VALUE_FLOOR_BITS,
-    tile_exponential,
+from .threads import default_num_threads
+from .tiles.band import (
+    BandTiles,
+    band_keys,
+    key_block_range,
+    rows_meeting,
+    tile_kind,
+    tile_plan_sizes,
 )
+from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
+from .tiles.softmax import LOG2E, OnlineSoftmax, Workspace
+from .tiles.workers import Counts, column_top, run_units
+from .tuning import FOLD_LIMIT, tile_exponential
 
 __all__ = ["TileStats", "attention_tiled", "tile_map"]
 
-SKIPPED, PARTIAL, FULL = 0, 1, 2  # what the band does to a tile
 _EVERY_KEY = object()  # a tile whose every score the user's boolean mask disallows
-
-# A tile is accepted by the lazy step when every row sum of exp(scores - m) is at most
-# LAZY_BOUND, which bounds each term; a row that starts at m = 0 must end with l >= LAZY_FLOOR.
-LAZY_BOUND = float(np.exp(LAZY_MARGIN))
-LAZY_FLOOR = float(np.exp(-LAZY_MARGIN))
 
 
 @dataclass
-class TileStats:
+class TileStats(Counts):
     """Counters of the work :func:`attention_tiled` did, filled when passed as ``stats``.
 
     The counts add up over calls, so one ``TileStats`` can total several.
@@ -157,38 +151,7 @@ class TileStats:
         >>> total.units, total.computed, total.rescaled
         (3, 8, 1)
         """
-        for field in dataclasses.fields(self):
-            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
-
-
-def _tile_kind(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> int:
-    """Classify the tile of queries ``t0:t1`` and keys ``s0:s1`` against the band."""
-    d_min = s0 - (t1 - 1 + offset)  # smallest j - (i + o) in the tile
-    d_max = (s1 - 1) - (t0 + offset)  # largest
-    if (hi is not None and d_min > hi) or (lo is not None and d_max < lo):
-        return SKIPPED
-    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi):
-        return FULL
-    return PARTIAL
-
-
-def _band_keys(t0: int, t1: int, S: int, offset: int, lo, hi) -> tuple[int, int]:
-    """Keys ``start:stop`` that the band allows to at least one of the queries ``t0:t1``.
-
-    The rows of the band are intervals ``[i + o + lo, i + o + hi]`` that shift by one key per
-    query and never cross (``lo <= hi``), so their union over the block is one interval.
-    """
-    start = 0 if lo is None else max(0, t0 + offset + lo)
-    stop = S if hi is None else min(S, t1 + offset + hi)
-    return start, max(start, stop)
-
-
-def _key_block_range(t0: int, t1: int, S: int, block_k: int, offset: int, lo, hi):
-    """Indices ``(first, stop)`` of the key blocks that the band allows for queries ``t0:t1``."""
-    start, stop = _band_keys(t0, t1, S, offset, lo, hi)
-    if start == stop:
-        return 0, 0
-    return start // block_k, -(-stop // block_k)
+        super().add(other)
 
 
 def tile_map(
@@ -256,10 +219,10 @@ def tile_map(
     kinds = np.zeros((n_q, n_k), dtype=int)
     for a in range(n_q):
         t0, t1 = a * block_q, min(T, (a + 1) * block_q)
-        first, stop = _key_block_range(t0, t1, S, block_k, offset, lo, hi)
+        first, stop = key_block_range(t0, t1, S, block_k, offset, lo, hi)
         for b in range(first, stop):
             s0, s1 = b * block_k, min(S, (b + 1) * block_k)
-            kinds[a, b] = _tile_kind(t0, t1, s0, s1, offset, lo, hi)
+            kinds[a, b] = tile_kind(t0, t1, s0, s1, offset, lo, hi)
     return kinds
 
 
@@ -274,7 +237,7 @@ class _Plan:
 
     q: np.ndarray  # (*outer, G, T, Dk)
     k: np.ndarray  # (*outer, S, Dk) view of the keys
-    v: np.ndarray  # (*outer, S, Dv) view of the values
+    v: np.ndarray  # (*outer, S, Dv) view of the values (scaled by 2 ** -v_exp, if set)
     allowed: np.ndarray | None  # (*outer, G, T, S) bool view, or None
     bias: np.ndarray | None  # (*outer, G, T, S) view, or None
     sinks: np.ndarray | None  # (*outer, G, T) view of the sinks' logits, or None
@@ -283,8 +246,7 @@ class _Plan:
     m: np.ndarray | None  # (*outer, G, T): the final shift of each row, when asked for
     l: np.ndarray | None  # (*outer, G, T): the row sums at that shift, when asked for
     scale: float  # the query's factor: the scale, times LOG2E in base 2
-    to_base: float  # natural units times this are the scores' units: 1.0 (e) or LOG2E (2)
-    fold_limit: float  # FOLD_LIMIT in those units
+    fold_limit: float  # FOLD_LIMIT in the scores' units
     offset: int
     lo: int | None
     hi: int | None
@@ -299,53 +261,8 @@ class _Plan:
     may_overflow: bool  # check every tile's scores for overflow (see attention.check_overflow)
     problem: AttentionProblem  # for error messages
     exp: Callable[..., np.ndarray]  # the tiles' exponential, exp(x, out=x)
-    base_exp: Callable[..., np.ndarray]  # the true one of the base (np.exp or np.exp2)
+    base2: bool  # the scores are in base 2
     v_exp: np.ndarray | None  # (Dv,) int: the values were scaled by 2 ** -v_exp (or None)
-
-
-def _fold_axis(problem: AttentionProblem) -> bool:
-    """Fold the last batch axis into the query rows when keys and values do not vary along it."""
-    bs = problem.batch_shape
-    if not bs or bs[-1] <= 1:
-        return False
-    for a in (problem.key, problem.value):
-        lead = a.shape[:-2]  # right-aligned with bs, and at most as long
-        if lead and lead[-1] != 1:
-            return False
-    return True
-
-
-def tile_plan_sizes(
-    problem: AttentionProblem,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    num_threads: int | None = None,
-) -> tuple[int, int, int]:
-    """``(G, block_q, block_k)``: the heads folded into a tile's rows and the tile sizes.
-
-    The last batch axis is folded into the query rows when keys and values do not vary along
-    it (``G`` of its heads share one key tile); both tile sizes are clipped to the problem's
-    ``T`` and ``S``; ``block_q`` defaults to about ``BLOCK_ROWS``
-    rows after folding, ``block_k`` to ``BLOCK_K``. Without a band (no causal mask, no
-    window) the rows go up to ``BLOCK_ROWS_FULL``, as long as the ``num_threads`` threads
-    (default :func:`sdpa.threads.default_num_threads`) still get a work unit each.
-    """
-    G = problem.batch_shape[-1] if _fold_axis(problem) else 1
-    if block_q is None:
-        rows = BLOCK_ROWS.get(problem.work_dtype, 128)
-        if problem.band == (None, None):
-            outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // G
-            blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
-            rows_per_block = G * -(-problem.T // blocks)  # the rows, split into `blocks`
-            rows = max(rows, min(BLOCK_ROWS_FULL.get(problem.work_dtype, rows), rows_per_block))
-        block_q = max(1, rows // G)
-    if block_k is None:
-        block_k = BLOCK_K.get(problem.work_dtype, 512)
-    # Never larger than the problem: the workers' buffers are sized by the tiles.
-    return G, int(min(block_q, max(problem.T, 1))), int(min(block_k, max(problem.S, 1)))
-
-
-LOG2E = 1 / math.log(2)  # 2 ** (x * LOG2E) = e ** x
 
 
 def _make_plan(
@@ -385,13 +302,11 @@ def _make_plan(
     if exp is np.exp2 and not base2:
         exp = np.exp
     to_base = LOG2E if base2 else 1.0
-    allowed = bias = None
-    if problem.allowed is not None:
-        allowed = rows_view(problem.allowed, S)
-    if problem.bias is not None:
-        bias = rows_view(problem.bias, S)
+    allowed = None if problem.allowed is None else rows_view(problem.allowed, S)
+    bias = None if problem.bias is None else rows_view(problem.bias, S)
     lo, hi = problem.band
     value = problem.value if v_exp is None else np.ldexp(problem.value, -v_exp)  # exact
+    stat = (lambda: np.empty((*outer, G, T), dtype=dtype)) if with_stats else (lambda: None)
     return _Plan(
         q=rows_view(problem.query, Dk),
         k=heads_view(problem.key, Dk),
@@ -401,10 +316,9 @@ def _make_plan(
         sinks=None if problem.sinks is None else row_sinks(problem.sinks),
         out=np.empty((*outer, G, T, Dv), dtype=dtype),
         lse=np.empty((*outer, G, T), dtype=dtype),
-        m=np.empty((*outer, G, T), dtype=dtype) if with_stats else None,
-        l=np.empty((*outer, G, T), dtype=dtype) if with_stats else None,
+        m=stat(),
+        l=stat(),
         scale=problem.scale * to_base,
-        to_base=to_base,
         fold_limit=FOLD_LIMIT * to_base,
         offset=problem.offset,
         lo=lo,
@@ -420,76 +334,22 @@ def _make_plan(
         may_overflow=problem.may_overflow,
         problem=problem,
         exp=exp,
-        base_exp=np.exp2 if base2 else np.exp,
+        base2=base2,
         v_exp=v_exp,
     )
 
 
-def value_exponents(value: np.ndarray, S: int) -> np.ndarray | None:
-    """Powers of two ``e`` (one per column of the values, ``(Dv,)`` int) that bring each
-    column's largest ``|v|`` into ``[0.5, 1)``; None when no column needs it.
-
-    The accumulator sums up to ``S`` terms ``exp(score - m) * v`` whose weights reach
-    ``LAZY_BOUND`` (the shift lags the row maximum) where the reference path's weights are at
-    most 1, and drop to ``LAZY_FLOOR`` (a row at the shift 0) where the reference path's
-    largest weight is at least ``1 / S``. Values within ``4 S LAZY_BOUND`` of the dtype's
-    largest number would overflow it, values within ``2 ** 64`` of its smallest normal number
-    would lose digits to subnormal numbers; their columns are scaled by ``2 ** -e`` (exact)
-    and the result by ``2 ** e``. Other inputs are left alone, bit for bit.
-    """
-    finfo = np.finfo(value.dtype)
-    axes = tuple(range(value.ndim - 1))
-    top = np.maximum(np.max(value, axis=axes), -np.min(value, axis=axes))  # (Dv,): max |v|
-    high = finfo.max / (4 * LAZY_BOUND * S)
-    low = float(finfo.smallest_normal) * 2.0**VALUE_FLOOR_BITS
-    scale = np.isfinite(top) & (top > 0) & ((top > high) | (top < low))
-    if not scale.any():
-        return None
-    return np.where(scale, np.frexp(top)[1], 0).astype(np.int32)
-
-
-def values_may_be_out_of_range(top: np.ndarray) -> bool:
-    """Whether a result computed on unscaled values may have lost to the ends of the range,
-    from ``top``, the largest ``|out|`` of each column ``(Dv,)`` (NaN if any was NaN).
-
-    Overflow shows in the result as ``inf`` or NaN; digits lost to subnormal numbers show as
-    a column whose results are all below ``2 ** VALUE_FLOOR_BITS`` times the smallest normal
-    number. Only then are the values themselves read (:func:`value_exponents`).
-    """
-    low = float(np.finfo(top.dtype).smallest_normal) * 2.0**VALUE_FLOOR_BITS
-    return not (top >= low).all() or not np.isfinite(top).all()
-
-
-def widen_column_top(top: np.ndarray, out: np.ndarray) -> None:
-    """Raise ``top`` ``(Dv,)`` in place to the largest ``|out|`` of each column of ``out``
-    ``(..., Dv)``; a NaN, once met, stays (``np.maximum``). What
-    :func:`values_may_be_out_of_range` reads after the last unit."""
-    if out.size:
-        axes = tuple(range(out.ndim - 1))
-        np.maximum(top, np.max(out, axis=axes), out=top)  # no temporary of out's size
-        np.maximum(top, -np.min(out, axis=axes), out=top)
-
-
-class _Buffers:
-    """One worker thread's arrays, allocated once for the largest unit of the plan.
-
-    Each is flat and viewed at the size of the unit at hand (:class:`_Unit`), so a thread
-    allocates nothing per tile: one buffer per stage of a tile and per piece of running state.
-    """
+class _Space(Workspace):
+    """A worker's buffers (:class:`sdpa.tiles.softmax.Workspace`), with the dense face's own:
+    the queries with a column for the folded shift, the user's mask of a tile, the unfolded
+    shifts, and the keys with a column of ones (made only when a shift is folded in)."""
 
     def __init__(self, plan: _Plan):
-        rows, bk, dtype = plan.G * plan.block_q, min(plan.block_k, plan.S), plan.dtype
-        self.q_shifted = np.empty(rows * (plan.Dk + 1), dtype)  # [query * scale | -m]
-        self.scores = np.empty(rows * bk, dtype)  # scores, then exp(scores - m) in place
+        rows, bk = plan.G * plan.block_q, min(plan.block_k, plan.S)
+        super().__init__(rows, bk, plan.Dv, plan.dtype)
+        self.q_shifted = np.empty(rows * (plan.Dk + 1), plan.dtype)  # [query * scale | -m]
         self.disallowed = np.empty(rows * bk, bool) if plan.allowed is not None else None
-        self.tile_out = np.empty(rows * plan.Dv, dtype)  # exp(scores - m) @ v
-        self.tile_l = np.empty(rows, dtype)  # exp(scores - m) @ 1: the tile's row sums
-        self.acc = np.empty(rows * plan.Dv, dtype)  # running sum of exp(scores - m) @ v
-        self.l = np.empty(rows, dtype)  # running sum of exp(scores - m)
-        self.m = np.empty(rows, dtype)  # running shift of each row
-        self.unfolded = np.empty(rows, dtype)  # m of the rows whose shift is not folded in
-        self.ones = np.ones(bk, dtype)
-        self.top = np.zeros(plan.Dv, dtype)  # the largest |out| of each column, over the units
+        self.unfolded = np.empty(rows, plan.dtype)  # m of the rows whose shift is not folded
         # [k | 1] of a unit's head, (S, Dk + 1): made (by copying the keys) only for a unit
         # that folds a shift into the first product, which inputs of moderate scores never do
         self.k1: np.ndarray | None = None
@@ -506,128 +366,61 @@ class _Buffers:
 
 class _Unit:
     """One work unit in progress: the query rows ``t0:t1`` of the ``G`` folded heads at outer
-    index ``o``, ``rows = G * (t1 - t0)`` rows of scores, and the running online softmax.
+    index ``o``, ``rows = G * (t1 - t0)`` rows of scores, and their online softmax.
 
-    The steps that add a key tile (:meth:`lazy_step`, :meth:`exact_step`) and the one that
-    writes the result (:meth:`write_result`) are methods here; :class:`_Worker` decides which
-    step each tile takes. With ``at_zero`` every row starts at the shift ``m = 0``, so the
-    first tile can take the lazy step on the raw scores: ``exp(score)`` is exact while the
-    scores stay within ``LAZY_MARGIN`` of zero, which the tile's row sums check from above;
-    from below, a row whose sum ``l`` ends under ``exp(-LAZY_MARGIN)`` (all its scores below
-    ``-LAZY_MARGIN``, or none allowed) makes the worker redo the unit. Otherwise a row starts
-    once it meets an allowed key, in the exact step, at that tile's maximum.
+    What the dense face adds to the engine's steps (:class:`sdpa.tiles.softmax.OnlineSoftmax`)
+    is the folded shift: once a row's shift has moved, ``-m`` is the last column of
+    ``q_shifted = [query * scale | -m]``, so that one product with ``[k | 1]`` gives the
+    scores minus the shift, for the rows where that is exact (``|m| <= FOLD_LIMIT``); the
+    other rows subtract their shift (``unfolded``) after the product.
     """
 
-    def __init__(self, plan: _Plan, buffers: _Buffers, o: tuple, t0: int, t1: int, at_zero):
-        G, Dk, Dv, bq = plan.G, plan.Dk, plan.Dv, t1 - t0
+    def __init__(self, plan: _Plan, space: _Space, o: tuple, t0: int, t1: int, at_zero):
+        G, Dk, bq = plan.G, plan.Dk, t1 - t0
         rows = G * bq
-        self.plan, self.buffers = plan, buffers
+        self.plan, self.space = plan, space
         self.o, self.t0, self.t1, self.rows = o, t0, t1, rows  # the block: (G * bq) rows
-        # The inputs: views of the unit's head.
-        self.k, self.v = plan.k[o], plan.v[o]  # (S, Dk), (S, Dv)
+        self.k, self.v = plan.k[o], plan.v[o]  # (S, Dk), (S, Dv): views of the unit's head
         self.k1 = None  # (S, Dk + 1), [k | 1], made once a shift is folded in
         self.allowed = None if plan.allowed is None else plan.allowed[o]  # (G, T, S)
         self.bias = None if plan.bias is None else plan.bias[o]  # (G, T, S)
-        # q_shifted = [query * scale | -m]: (rows, Dk + 1), the folded heads' rows one under
-        # the other. Against keys with a column of ones, [k | 1], one product gives the scores
-        # minus the running shift m, so no separate pass subtracts it.
-        self.q_shifted = buffers.q_shifted[: rows * (Dk + 1)].reshape(rows, Dk + 1)
+        self.q_shifted = space.q_shifted[: rows * (Dk + 1)].reshape(rows, Dk + 1)
         np.multiply(
             plan.q[o][:, t0:t1, :], plan.scale, out=self.q_shifted.reshape(G, bq, Dk + 1)[..., :Dk]
         )
         self.folded.fill(0)
         self.any_folded = False  # while no shift is folded in, the keys need no column of ones
-        # The running state: the shift m of each row (0 until it meets an allowed key), the
-        # part of it not folded into the product, the sums l and acc.
-        self.m = _zeros(buffers.m, rows)
-        self.unfolded = _zeros(buffers.unfolded, rows)
+        self.unfolded = space.unfolded[:rows]
+        self.unfolded.fill(0)
         self.any_unfolded = False
-        self.started = np.full(rows, at_zero)  # rows whose shift m is set
-        self.all_started = at_zero
-        self.acc = _zeros(buffers.acc, rows * Dv).reshape(rows, Dv)
-        self.l = _zeros(buffers.l, rows)
-
-    # Views of the buffers at the unit's size (properties, so the unit's state stays short).
-
-    @property
-    def q_scaled(self) -> np.ndarray:
-        """``(rows, Dk)``: the query rows times the scale (in the scores' base)."""
-        return self.q_shifted[:, :-1]
+        self.softmax = OnlineSoftmax(space, rows, plan.Dv, plan.exp, plan.base2, at_zero)
 
     @property
     def folded(self) -> np.ndarray:
         """``(rows,)``: ``-m`` for the rows whose shift is folded in, else 0."""
         return self.q_shifted[:, -1]
 
-    @property
-    def tile_out(self) -> np.ndarray:
-        """``(rows, Dv)``: one tile's ``exp(scores - m) @ v``."""
-        return self.buffers.tile_out[: self.rows * self.plan.Dv].reshape(self.rows, -1)
-
-    @property
-    def tile_l(self) -> np.ndarray:
-        """``(rows,)``: one tile's row sums ``exp(scores - m) @ 1``."""
-        return self.buffers.tile_l[: self.rows]
-
-    # -- the two steps ---------------------------------------------------------------------
+    def scores(self, s0: int, s1: int) -> np.ndarray:
+        """The scores buffer viewed as the tile ``(G, bq, s1 - s0)``."""
+        return self.space.scores_view((self.plan.G, self.t1 - self.t0, s1 - s0))
 
     def lazy_step(self, s0: int, s1: int, disallowed) -> bool:
-        """The common case: add the tile at the current shift ``m``; False if it is not exact.
-
-        ``exp(scores - m)`` is exact as long as no score exceeds ``m`` by more than
-        ``LAZY_MARGIN`` (then nothing overflows), which the tile's row sums prove; and ``l``
-        stays large enough: ``l >= 1`` once ``m`` is an actual score, ``l >= LAZY_FLOOR`` at
-        the shift 0 (checked by :meth:`_Worker.walk` after the first tile and at the unit's
-        end). A tile that fails is redone by :meth:`exact_step`.
-
-        Disallowed entries are zeroed after the exponential rather than set to ``-inf``
-        before it: NumPy's vectorised ``exp2`` takes a slow path for ``-inf`` (a causal
-        diagonal tile took 2.7 times as long).
-        """
-        plan = self.plan
-        scores = self.buffers.scores[: self.rows * (s1 - s0)].reshape(self.rows, s1 - s0)
-        unfolded = self.unfolded if self.any_unfolded else None
-        self.shifted_scores(scores, s0, s1, None, unfolded)
-        plan.exp(scores, out=scores)  # the probabilities, unnormalised: exp(scores - m)
-        if disallowed is not None:
-            np.copyto(scores.reshape(plan.G, -1, s1 - s0), 0, where=disallowed)
-        # The row sums first: a tile that fails the bound costs no second product.
-        np.matmul(scores, self.buffers.ones[: s1 - s0], out=self.tile_l)  # (rows, bk) @ (bk,)
-        if not self.tile_l.max() <= LAZY_BOUND:  # (NaN fails too)
-            return False
-        np.matmul(scores, self.v[s0:s1], out=self.tile_out)  # (rows, bk) @ (bk, Dv)
-        self.acc += self.tile_out
-        self.l += self.tile_l
-        return True
+        """Add the tile at the present shifts (the engine's lazy step); False if not exact."""
+        scores = self.scores(s0, s1)
+        self.shifted_scores(scores, s0, s1, None, self.unfolded if self.any_unfolded else None)
+        return self.softmax.lazy_step(scores, self.v[None, s0:s1], disallowed)
 
     def exact_step(self, s0: int, s1: int, disallowed) -> None:
-        """The online softmax as written, on the raw scores, moving each row's shift ``m``.
-
-        The raw scores (nothing folded in, so in base e they are rounded exactly as the
-        reference path rounds them) give the new maximum ``m_new = max(m, rowmax)``; the old
-        sums are rescaled by ``alpha = exp(m - m_new)``. A row meeting its first allowed key
-        starts at that tile's maximum. Then the shift is folded into ``q_shifted`` again for
-        the rows where that is exact (``|m| <= FOLD_LIMIT``), and kept in ``unfolded`` for the
-        others.
-        """
-        plan = self.plan
-        m, started = self.m, self.started
-        scores = self.buffers.scores[: self.rows * (s1 - s0)].reshape(self.rows, s1 - s0)
+        """The engine's exact step on the raw scores (nothing folded in, so in base e they are
+        rounded exactly as the reference path rounds them); then the new shifts are folded
+        into ``q_shifted`` for the rows where that is exact and kept in ``unfolded`` for the
+        others."""
+        plan, scores = self.plan, self.scores(s0, s1)
         self.folded.fill(0)
         self.any_folded = False
         self.shifted_scores(scores, s0, s1, disallowed, None, check=plan.may_overflow)
-        row_max = np.max(scores, axis=1)  # -inf where nothing is allowed
-        meets = row_max > -np.inf
-        m_new = np.where(started, np.maximum(m, row_max), np.where(meets, row_max, 0))
-        alpha = np.where(started, plan.base_exp(m - m_new), 0)  # exp(-inf) = 0: no overflow
-        np.subtract(scores, m_new[:, None], out=scores)
-        plan.exp(scores, out=scores)  # exp(scores - m_new), at most 1
-        self.tile_products(scores, s0, s1)
-        self.acc *= alpha[:, None]
-        self.acc += self.tile_out
-        self.l *= alpha
-        self.l += self.tile_l
-        m[:] = m_new
+        self.softmax.exact_step(scores, self.v[None, s0:s1], masked=disallowed is not None)
+        m = self.softmax.m
         small = np.abs(m) <= plan.fold_limit  # rows whose shift can be folded in exactly
         np.negative(m, out=self.folded)
         self.folded[~small] = 0
@@ -635,145 +428,56 @@ class _Unit:
         self.any_unfolded = not small.all()
         np.copyto(self.unfolded, m)
         self.unfolded[small] = 0
-        started |= meets
-        self.all_started = bool(started.all())
-
-    def sums_hold(self, rows: slice = slice(None)) -> bool:
-        """Whether every row has ``l >= LAZY_FLOOR`` (NaN fails too); with ``rows``, only the
-        block's rows ``rows`` of each folded head."""
-        l = self.l.reshape(self.plan.G, -1)[:, rows]
-        return l.size == 0 or bool(l.min() >= LAZY_FLOOR)
-
-    # -- the pieces of a step --------------------------------------------------------------
-
-    def tile_products(self, probs: np.ndarray, s0: int, s1: int) -> None:
-        """``tile_out = probs @ v`` and the row sums ``tile_l = probs @ 1`` of one tile.
-
-        The row sums are a matrix-vector product: it reads the tile once more, from cache,
-        which costs less than a column of ones appended to the values. For ``Dv = 64`` on a
-        512 x 512 float32 tile (AMD EPYC Zen 4, one core): 65 columns took 1.18 times as long
-        as 64, 72 (padded to BLAS's panel width) 1.13 times, and ``probs @ 1`` adds 0.05;
-        NumPy's ``probs.sum(axis=1)`` would add 0.14.
-        """
-        np.matmul(probs, self.v[s0:s1], out=self.tile_out)  # (rows, bk) @ (bk, Dv)
-        np.matmul(probs, self.buffers.ones[: s1 - s0], out=self.tile_l)  # (rows, bk) @ (bk,)
 
     def shifted_scores(self, scores, s0, s1, disallowed, unfolded, check=False) -> None:
-        """``scores = scale * q k^T - folded + bias - unfolded`` on one tile (each row's shift
-        ``m`` is in ``folded`` or in ``unfolded``), disallowed entries set to ``-inf``.
-
-        With ``check``, the raw scores (nothing subtracted) are checked for overflow first.
-        """
-        plan = self.plan
+        """``scores = scale * q k^T - folded + bias - unfolded`` on one tile ``(G, bq, bk)``
+        (each row's shift ``m`` is in ``folded`` or in ``unfolded``), disallowed entries set
+        to ``-inf``. With ``check``, the raw scores are checked for overflow first."""
+        flat = scores.reshape(self.rows, -1)
         if self.any_folded:
             if self.k1 is None:
-                self.k1 = self.buffers.keys_with_ones(self.k)
-            np.matmul(self.q_shifted, self.k1[s0:s1].T, out=scores)  # (rows, Dk+1) @ (Dk+1, bk)
+                self.k1 = self.space.keys_with_ones(self.k)
+            np.matmul(self.q_shifted, self.k1[s0:s1].T, out=flat)  # (rows, Dk+1) @ (Dk+1, bk)
         else:
-            np.matmul(self.q_scaled, self.k[s0:s1].T, out=scores)  # (rows, Dk) @ (Dk, bk)
+            np.matmul(self.q_shifted[:, :-1], self.k[s0:s1].T, out=flat)  # (rows, Dk) @ (Dk, bk)
         bias = None if self.bias is None else self.bias[:, self.t0 : self.t1, s0:s1]
-        if bias is None and disallowed is None and unfolded is None and not check:
-            return
-        scores3 = scores.reshape(plan.G, -1, scores.shape[1])  # (G, bq, bk)
         if bias is not None:
-            np.add(scores3, bias, out=scores3)
+            np.add(scores, bias, out=scores)
         if unfolded is not None:
-            np.subtract(scores, unfolded[:, None], out=scores)
+            np.subtract(flat, unfolded[:, None], out=flat)
         if check:
             allowed = None if disallowed is None else ~disallowed
-            check_overflow(plan.problem, scores3, allowed, bias)
+            check_overflow(self.plan.problem, scores, allowed, bias)
         if disallowed is not None:
-            np.copyto(scores3, -np.inf, where=disallowed)
-
-    # -- the result ------------------------------------------------------------------------
+            np.copyto(scores, -np.inf, where=disallowed)
 
     def write_result(self) -> None:
-        """``out = acc / l`` and ``lse = m + log l``; rows that never met an allowed key have
-        ``l = 0``, ``out = 0`` and ``lse = -inf``.
-
-        With sinks, the sink's term joins each row's normaliser first (:func:`_add_sinks`):
-        ``out = acc * alpha / l`` and ``lse = m + log l`` with the new ``m`` and ``l``.
-        """
+        """The engine's finish (sinks included) into the plan's ``out``, ``lse``, ``m``, ``l``."""
         plan, o, t0, t1 = self.plan, self.o, self.t0, self.t1
-        G, Dv, bq, rows = plan.G, plan.Dv, t1 - t0, self.rows
-        self.folded.fill(0)
-        l = self.l
-        m = self.m if plan.to_base == 1.0 else self.m / plan.to_base  # in natural units
-        alpha = 1
-        if plan.sinks is not None:
-            m, l, alpha = _add_sinks(m, l, plan.sinks[o][:, t0:t1].reshape(rows))
-        seen = l > 0
-        inv = np.zeros(rows, dtype=plan.dtype)
-        np.divide(alpha, l, out=inv, where=seen)
+        shape = (plan.G, t1 - t0)
+        sinks = None if plan.sinks is None else plan.sinks[o][:, t0:t1].reshape(self.rows)
         out = plan.out[o][:, t0:t1, :]  # (G, bq, Dv) view of the result
-        np.multiply(self.acc.reshape(G, bq, Dv), inv.reshape(G, bq, 1), out=out)
-        if plan.v_exp is not None:
-            np.ldexp(out, plan.v_exp, out=out)  # undo the values' scaling (exact)
-        else:  # while the block is in cache: did the values come near the ends of the range?
-            widen_column_top(self.buffers.top, out)
-        lse = np.full(rows, -np.inf, dtype=plan.dtype)
-        np.log(l, out=lse, where=seen)
-        np.add(lse, m, out=lse, where=seen)
-        plan.lse[o][:, t0:t1] = lse.reshape(G, bq)
+        lse, m, l = self.softmax.finish(out, sinks)
+        restore_scale(out, plan.v_exp, self.space.top)
+        plan.lse[o][:, t0:t1] = lse.reshape(shape)
         if plan.m is not None:
-            plan.m[o][:, t0:t1] = m.reshape(G, bq)
-            plan.l[o][:, t0:t1] = l.reshape(G, bq)
-
-
-def _add_sinks(m: np.ndarray, l: np.ndarray, s: np.ndarray):
-    """``(m, l, alpha)``: a unit's rows with each row's sink ``s`` added to its normaliser.
-
-    ``m`` (the shift, in natural units), ``l`` (the sum of ``exp(score - m)``) and ``s`` are
-    ``(rows,)``. The sink joins the shift, ``m_new = max(m, s)``, so that ``exp(s - m_new)``
-    cannot overflow however far the lazy shift lags behind it; the keys' sums are rescaled by
-    ``alpha = exp(m - m_new)``: ``l_new = alpha l + exp(s - m_new)`` and the output is
-    ``alpha acc / l_new``. A row that met no allowed key (``l = 0``) gets ``m_new = s`` and
-    ``l_new = 1`` (so ``lse = s`` exactly), or stays empty if its sink is ``-inf`` too. With
-    ``s = -inf`` a row keeps its ``m`` and ``l`` bit for bit, and ``alpha = 1``.
-    """
-    seen = l > 0
-    m_new = np.where(seen, np.maximum(m, s), s)
-    shift = np.where(m_new > -np.inf, m_new, 0).astype(m.dtype, copy=False)
-    alpha = np.zeros_like(l)
-    np.exp(m - shift, out=alpha, where=seen)  # <= 1, and exactly 1 where the sink is below m
-    l_new = l * alpha + np.exp(s - shift)  # exp(-inf) = 0 for a sink of -inf
-    return m_new, l_new, alpha
-
-
-def _zeros(buffer: np.ndarray, n: int) -> np.ndarray:
-    """The first ``n`` entries of ``buffer``, set to zero."""
-    view = buffer[:n]
-    view.fill(0)
-    return view
+            plan.m[o][:, t0:t1] = m.reshape(shape)
+            plan.l[o][:, t0:t1] = l.reshape(shape)
 
 
 class _Worker:
-    """One thread: its buffers, its counters, and the loop over the units it takes.
+    """One thread: its buffers, its counters, and the walk of each unit it takes.
 
-    :meth:`run` reads top to bottom: start the unit, then for each key tile its mask, the lazy
-    step (accepted when its row sums prove it exact) or else the exact step, and at the end
-    the result. What a unit computes depends on its own inputs only, never on the units the
-    worker took before it, so that every thread count and every order in which the threads
-    take the units give the same bits.
+    :meth:`walk` reads top to bottom: for each key tile its mask, the lazy step (accepted when
+    its row sums prove it exact) or else the exact step. What a unit computes depends on its
+    own inputs only, never on the units the worker took before it.
     """
 
     def __init__(self, plan: _Plan):
         self.plan = plan
-        self.buffers = _Buffers(plan)
+        self.space = _Space(plan)
         self.stats = TileStats()  # this worker's counts (units and skipped_band: the caller's)
-        self.band_cache: dict = {}
-
-    def drain(self, units, counter) -> None:
-        """Take units from the shared list until it is empty."""
-        with np.errstate(all="ignore"):
-            # Errors cannot arise here except in the deliberate -inf arithmetic above:
-            # exp(-inf) = 0, m - m_new = -inf, and log(0) never reached (masked by ``where``);
-            # overflow is excluded up front or checked (Plan.may_overflow).
-            while True:
-                i = next(counter)
-                if i >= len(units):
-                    return
-                self.run(*units[i])
+        self.band = BandTiles(plan.offset, plan.lo, plan.hi)
 
     def run(self, o: tuple, t0: int, t1: int) -> None:
         """Attention for the query rows ``t0:t1`` of every folded head at outer index ``o``.
@@ -783,23 +487,23 @@ class _Worker:
         """
         plan = self.plan
         at_zero = plan.allowed is None and plan.bias is None and not plan.may_overflow
-        unit = _Unit(plan, self.buffers, o, t0, t1, at_zero)
+        unit = _Unit(plan, self.space, o, t0, t1, at_zero)
         if not self.walk(unit, at_zero):
             self.stats.redone += 1
-            unit = _Unit(plan, self.buffers, o, t0, t1, at_zero=False)
+            unit = _Unit(plan, self.space, o, t0, t1, at_zero=False)
             self.walk(unit, at_zero=False)
         unit.write_result()
 
     def walk(self, unit: _Unit, at_zero: bool) -> bool:
-        """Add up the unit's key tiles: for each, its mask, then the lazy or the exact step.
-
-        Returns False when a unit started ``at_zero`` must be redone: a row's sum ``l`` is
-        below ``LAZY_FLOOR`` at the end, or already after the first tile for a row that met a
-        key there (so scores far below zero waste one tile, not the whole walk).
-        """
+        """Add up the unit's key tiles; False when a unit started ``at_zero`` must be redone:
+        a row's sum ``l`` is below ``LAZY_FLOOR`` at the end, or already after the first tile
+        for a row that met a key there (so scores far below zero waste one tile, not the
+        whole walk)."""
         plan, stats, t0, t1 = self.plan, self.stats, unit.t0, unit.t1
-        first, stop = _key_block_range(t0, t1, plan.S, plan.block_k, plan.offset, plan.lo, plan.hi)
-        key_start, key_stop = _band_keys(t0, t1, plan.S, plan.offset, plan.lo, plan.hi)
+        band = (plan.offset, plan.lo, plan.hi)
+        first, stop = key_block_range(t0, t1, plan.S, plan.block_k, *band)
+        key_start, key_stop = band_keys(t0, t1, plan.S, *band)
+        softmax = unit.softmax
         for b in range(first, stop):
             # The tile's keys, trimmed to the keys the band allows to some query of the block
             # (under a causal mask the last tile of a row of tiles stops at the diagonal).
@@ -810,59 +514,31 @@ class _Worker:
                 stats.skipped_mask += 1
                 continue
             stats.computed += 1
-            lazy = unit.all_started and not plan.may_overflow
+            lazy = softmax.all_started and not plan.may_overflow
             if not (lazy and unit.lazy_step(s0, s1, disallowed)):
                 stats.retried += lazy
                 stats.rescaled += 1
                 unit.exact_step(s0, s1, disallowed)
-            if at_zero and b == first and not unit.sums_hold(self.rows_meeting(t0, t1, s0, s1)):
-                return False
-        return not at_zero or unit.sums_hold()
-
-    # -- masks -----------------------------------------------------------------------------
+            if at_zero and b == first:
+                meeting = rows_meeting(t0, t1, s0, s1, *band)
+                if not softmax.sums_hold(meeting, plan.G):
+                    return False
+        return not at_zero or softmax.sums_hold()
 
     def tile_disallowed(self, unit: _Unit, s0: int, s1: int):
         """``(G, bq, bk)`` bool, True where the tile's scores are disallowed; None if none is;
         ``_EVERY_KEY`` if the user's mask disallows the whole tile (it is then skipped)."""
         plan, t0, t1 = self.plan, unit.t0, unit.t1
-        kind = _tile_kind(t0, t1, s0, s1, plan.offset, plan.lo, plan.hi)
-        assert kind != SKIPPED, "the key-block range holds only tiles the band touches"
+        kind = tile_kind(t0, t1, s0, s1, plan.offset, plan.lo, plan.hi)
+        assert kind != EMPTY, "the key-block range holds only tiles the band touches"
         if unit.allowed is None:
-            return self.band_disallowed(t0, t1, s0, s1) if kind == PARTIAL else None
-        disallowed = self.buffers.disallowed[: unit.rows * (s1 - s0)]
+            return self.band.disallowed(t0, t1, s0, s1) if kind == PARTIAL else None
+        disallowed = self.space.disallowed[: unit.rows * (s1 - s0)]
         disallowed = disallowed.reshape(plan.G, t1 - t0, s1 - s0)
         np.logical_not(unit.allowed[:, t0:t1, s0:s1], out=disallowed)
         if kind == PARTIAL:
-            np.logical_or(disallowed, self.band_disallowed(t0, t1, s0, s1), out=disallowed)
+            np.logical_or(disallowed, self.band.disallowed(t0, t1, s0, s1), out=disallowed)
         return _EVERY_KEY if disallowed.all() else disallowed
-
-    def band_disallowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
-        """Boolean ``(t1-t0, s1-s0)`` tile, True where the band disallows; cached by geometry."""
-        plan = self.plan
-        key = (s0 - t0, t1 - t0, s1 - s0)
-        tile = self.band_cache.get(key)
-        if tile is None:
-            diff = np.arange(s0, s1)[None, :] - (np.arange(t0, t1)[:, None] + plan.offset)
-            tile = np.zeros(diff.shape, dtype=bool)
-            if plan.lo is not None:
-                tile |= diff < plan.lo
-            if plan.hi is not None:
-                tile |= diff > plan.hi
-            if len(self.band_cache) > 64:
-                self.band_cache.clear()
-            self.band_cache[key] = tile
-        return tile
-
-    def rows_meeting(self, t0: int, t1: int, s0: int, s1: int) -> slice:
-        """The block's rows (``0`` to ``t1 - t0``) that the band allows some key of ``s0:s1``:
-        one run of rows, since the band's rows shift by one key per query."""
-        plan = self.plan
-        first, stop = 0, t1 - t0
-        if plan.hi is not None:  # row i reaches key i + offset + hi >= s0
-            first = max(first, s0 - plan.offset - plan.hi - t0)
-        if plan.lo is not None:  # row i starts at key i + offset + lo <= s1 - 1
-            stop = min(stop, s1 - 1 - plan.offset - plan.lo - t0 + 1)
-        return slice(first, max(first, stop))
 
 
 def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.ndarray:
@@ -876,27 +552,21 @@ def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.nd
     units = []
     for a in range(n_q):
         t0, t1 = a * plan.block_q, min(T, (a + 1) * plan.block_q)
-        first, stop = _key_block_range(t0, t1, S, plan.block_k, plan.offset, plan.lo, plan.hi)
+        first, stop = key_block_range(t0, t1, S, plan.block_k, plan.offset, plan.lo, plan.hi)
         units.extend((stop - first, o, t0, t1) for o in np.ndindex(*outer))
     # Longest first, so the last units to finish are short ones (causal rows vary in length).
     units.sort(key=lambda u: -u[0])
     work = [u[1:] for u in units]
     n_threads = max(1, min(num_threads or default_num_threads(), len(work)))
-    counter = itertools.count()
     workers = [_Worker(plan) for _ in range(n_threads)]
-    if n_threads == 1:
-        with single_threaded_blas():  # BLAS's threads slow small products down, here too
-            workers[0].drain(work, counter)
-    else:
-        run_in_threads([functools.partial(w.drain, work, counter) for w in workers])
+    run_units(work, workers, stats)
     if stats is not None:
         n_k = -(-S // plan.block_k)
-        total = n_q * n_k * int(np.prod(outer, dtype=np.int64))
-        for w in workers:
-            stats.add(w.stats)
         stats.units += len(work)
-        stats.skipped_band += total - sum(u[0] for u in units)
-    return functools.reduce(np.maximum, [w.buffers.top for w in workers])
+        stats.skipped_band += n_q * n_k * int(np.prod(outer, dtype=np.int64)) - sum(
+            u[0] for u in units
+        )
+    return column_top(workers)
 
 
 def attention_tiled(

@@ -1,4 +1,4 @@
-"""The tiled paths' tunables, in one place, each with the measurement that chose it.
+"""The tiled paths' tunables (both faces of :mod:`sdpa.tiles`), in one place, each with the measurement that chose it.
 
 Everything here is a choice of speed, never of the result's meaning: any tile size gives the
 same answer to rounding, and the margins and limits only decide which of two exact steps the
@@ -29,8 +29,13 @@ __all__ = [
     "FOLD_LIMIT",
     "LAZY_MARGIN",
     "LSE_EXACT_LIMIT",
+    "MIN_UNITS",
+    "PIECE_KEYS",
+    "PLAN_CACHE_BYTES",
     "RENORMALISE_LSE",
     "RENORMALISE_RMS",
+    "UNIT_ROWS",
+    "UNIT_SCORES",
     "VALUE_FLOOR_BITS",
     "svml_exp2",
     "tile_exponential",
@@ -53,6 +58,42 @@ BLOCK_ROWS = MappingProxyType({_F32: 256, _F64: 256})
 BLOCK_ROWS_FULL = MappingProxyType({_F32: 1024, _F64: 1024})
 #: Keys per tile, by working dtype.
 BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
+
+# -- the units and pieces of flex's tiled path (sdpa.flex, sdpa.tiles.blocks) --------------
+
+#: Query rows of a flex unit without a block mask (the folded heads count as rows): the
+#: default block of :func:`sdpa.create_block_mask`.
+UNIT_ROWS = 128
+
+# A row of query blocks' gathered key blocks are cut into pieces of at most this many keys. A
+# (128, 4096) float32 tile of scores is 2 MiB. At T = S = 4096, 8 heads of width 64 in float32
+# on one core of the benchmark machine (2-core Xeon, Sapphire Rapids; best of 5), 4096 took
+# 0.98 to 0.99 of the CPU time of 2048 and 0.86 to 0.87 of 512, with a causal block mask and
+# without a mask.
+#: Keys per piece of flex's tiled path (whole blocks of the mask, one at least).
+PIECE_KEYS = 4096
+
+# A unit takes the same query block of several key heads when the mask does not depend on the
+# head: up to UNIT_SCORES scores, and never so many heads that the call has fewer than MIN_UNITS
+# units (to share among threads). Every unit costs tens to hundreds of microseconds of Python,
+# during which another worker thread waits whenever it needs the GIL too. At T = S = 4096, 8
+# heads of width 64, float32, two threads (2-core Xeon, Sapphire Rapids), units of all 8 heads
+# took 245 ms without a mask and 143 ms with a causal block mask, against 270 and 170 ms with a
+# unit per head (and 2**20 or 2**21 scores: in between); on one thread, within 4 % either way.
+#: Most scores of a flex unit that folds several key heads ...
+UNIT_SCORES = 1 << 22  # 8 query blocks of 128 rows by 4096 keys: 16 MiB of float32
+#: ... and the fewest units such folding leaves a call.
+MIN_UNITS = 16
+
+# A block mask keeps the tiled path's plans of its rows (their pieces, and what mask_mod gave on
+# their partial blocks) for every later call with the same settings: a mask made once and used
+# by every layer and step evaluates each partial block once, as create_block_mask evaluated
+# each block once. At T = S = 4096, 8 heads of width 64, float32, two threads (2-core Xeon), a
+# causal call spent about 8 ms of its threads' time making its 32 plans (mask_mod on a 128 x 128
+# block: about 75 us each alone, more while the other thread contends for the GIL); kept, the
+# call took 124-129 ms instead of 134-137.
+#: Bytes of masks a block mask keeps beside it (causal at T = S = 32768 keeps 16 MiB).
+PLAN_CACHE_BYTES = 1 << 26
 
 # -- the backward kernel (sdpa.backward) ---------------------------------------------------
 

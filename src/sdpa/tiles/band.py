@@ -1,0 +1,127 @@
+"""The dense face's plan: the causal/window band over the tiles, and the heads folded.
+
+:mod:`sdpa.tiled` cuts a head's ``(T, S)`` scores into tiles of ``Bq`` query rows and ``Bk``
+keys. Against the band (``lo <= j - (i + offset) <= hi``, either limit optional, see
+:func:`sdpa.masks.band_limits`) a tile is *empty* (never computed), *full* (computed, no mask)
+or *partial* (the band's edge crosses it: computed, then masked), as a block mask's blocks are
+(:data:`sdpa.block_mask.EMPTY`, ``FULL``, ``PARTIAL``). The rows of the band are intervals that
+shift by one key per query and never cross, so the keys a block of queries may attend form one
+interval, and the rows a key range reaches one run of rows.
+
+Shape letters: ``T`` queries, ``S`` keys, ``G`` heads folded into a unit's rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..block_mask import EMPTY, FULL, PARTIAL
+from ..problem import AttentionProblem
+from ..threads import default_num_threads
+from ..tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL
+
+__all__: list[str] = []
+
+
+def tile_kind(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> int:
+    """Classify the tile of queries ``t0:t1`` and keys ``s0:s1`` against the band."""
+    d_min = s0 - (t1 - 1 + offset)  # smallest j - (i + o) in the tile
+    d_max = (s1 - 1) - (t0 + offset)  # largest
+    if (hi is not None and d_min > hi) or (lo is not None and d_max < lo):
+        return EMPTY
+    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi):
+        return FULL
+    return PARTIAL
+
+
+def band_keys(t0: int, t1: int, S: int, offset: int, lo, hi) -> tuple[int, int]:
+    """Keys ``start:stop`` that the band allows to at least one of the queries ``t0:t1``."""
+    start = 0 if lo is None else max(0, t0 + offset + lo)
+    stop = S if hi is None else min(S, t1 + offset + hi)
+    return start, max(start, stop)
+
+
+def key_block_range(t0: int, t1: int, S: int, block_k: int, offset: int, lo, hi):
+    """Indices ``(first, stop)`` of the key blocks that the band allows for queries ``t0:t1``."""
+    start, stop = band_keys(t0, t1, S, offset, lo, hi)
+    if start == stop:
+        return 0, 0
+    return start // block_k, -(-stop // block_k)
+
+
+def rows_meeting(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> slice:
+    """The rows (``0`` to ``t1 - t0``) of the queries ``t0:t1`` that the band allows some key
+    of ``s0:s1``: one run of rows."""
+    first, stop = 0, t1 - t0
+    if hi is not None:  # row i reaches key i + offset + hi >= s0
+        first = max(first, s0 - offset - hi - t0)
+    if lo is not None:  # row i starts at key i + offset + lo <= s1 - 1
+        stop = min(stop, s1 - 1 - offset - lo - t0 + 1)
+    return slice(first, max(first, stop))
+
+
+class BandTiles:
+    """Boolean tiles, True where the band disallows, cached by their geometry (a causal call
+    meets the same few diagonal tiles in every unit). One per worker thread."""
+
+    def __init__(self, offset: int, lo, hi):
+        self.offset, self.lo, self.hi = offset, lo, hi
+        self.cache: dict = {}
+
+    def disallowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
+        """``(t1 - t0, s1 - s0)`` bool: the band's mask of queries ``t0:t1``, keys ``s0:s1``."""
+        key = (s0 - t0, t1 - t0, s1 - s0)
+        tile = self.cache.get(key)
+        if tile is None:
+            diff = np.arange(s0, s1)[None, :] - (np.arange(t0, t1)[:, None] + self.offset)
+            tile = np.zeros(diff.shape, dtype=bool)
+            if self.lo is not None:
+                tile |= diff < self.lo
+            if self.hi is not None:
+                tile |= diff > self.hi
+            if len(self.cache) > 64:
+                self.cache.clear()
+            self.cache[key] = tile
+        return tile
+
+
+def fold_axis(problem: AttentionProblem) -> bool:
+    """Fold the last batch axis into the query rows when keys and values do not vary along it."""
+    bs = problem.batch_shape
+    if not bs or bs[-1] <= 1:
+        return False
+    for a in (problem.key, problem.value):
+        lead = a.shape[:-2]  # right-aligned with bs, and at most as long
+        if lead and lead[-1] != 1:
+            return False
+    return True
+
+
+def tile_plan_sizes(
+    problem: AttentionProblem,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
+) -> tuple[int, int, int]:
+    """``(G, block_q, block_k)``: the heads folded into a unit's rows and the tile sizes.
+
+    The last batch axis is folded into the query rows when keys and values do not vary along
+    it (``G`` of its heads share one key tile); both tile sizes are clipped to the problem's
+    ``T`` and ``S``; ``block_q`` defaults to about ``BLOCK_ROWS`` rows after folding,
+    ``block_k`` to ``BLOCK_K``. Without a band (no causal mask, no window) the rows go up to
+    ``BLOCK_ROWS_FULL``, as long as the ``num_threads`` threads (default
+    :func:`sdpa.threads.default_num_threads`) still get a work unit each.
+    """
+    G = problem.batch_shape[-1] if fold_axis(problem) else 1
+    if block_q is None:
+        rows = BLOCK_ROWS.get(problem.work_dtype, 128)
+        if problem.band == (None, None):
+            outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // G
+            blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
+            rows_per_block = G * -(-problem.T // blocks)  # the rows, split into `blocks`
+            rows = max(rows, min(BLOCK_ROWS_FULL.get(problem.work_dtype, rows), rows_per_block))
+        block_q = max(1, rows // G)
+    if block_k is None:
+        block_k = BLOCK_K.get(problem.work_dtype, 512)
+    # Never larger than the problem: the workers' buffers are sized by the tiles.
+    return G, int(min(block_q, max(problem.T, 1))), int(min(block_k, max(problem.S, 1)))
