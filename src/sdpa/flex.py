@@ -55,19 +55,18 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import (
-    ATTENTION_MASK_HINT,
-    as_array,
-    broadcasts_to,
-    check_bool,
-    check_memory,
-    check_positive_int,
-    check_query_key_value,
-    lse_dtype,
-)
-from .block_mask import FULL, PARTIAL, BlockMask, check_mod, evaluate_mask_mod, index_arrays
+from ._checks import check_bool, check_memory, check_positive_int
+from .block_mask import FULL, BlockMask, evaluate_mask_mod
 from .cost_model import flex_worth_tiling
-from .problem import AttentionProblem, check_overflow, overflow_checked, prepare_attention
+from .flex_call import (
+    FlexCall,
+    apply_score_mod,
+    check_call,
+    empty_result,
+    finish,
+    is_empty,
+)
+from .problem import check_overflow, overflow_checked
 from .softmax_stable import softmax_and_lse
 from .threads import default_num_threads
 from .tiles.blocks import Piece, PlanCache, RowPlan, mask_row, plans_beside, row_plan, unit_list
@@ -77,8 +76,6 @@ from .tiles.workers import Counts, column_top, run_units
 from .tuning import PIECE_KEYS, PLAN_CACHE_BYTES, UNIT_ROWS, tile_exponential
 
 __all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
-
-SCORE_MOD_SIGNATURE = "score_mod(score, b, h, q_idx, kv_idx) -> array"
 
 
 @dataclass
@@ -148,111 +145,6 @@ class FlexStats(Counts):
 
 
 # ----------------------------------------------------------------------------------------
-# The call, validated
-# ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _FlexCall:
-    """A validated call in one layout: query heads split into ``(Hkv, G)``.
-
-    Without ``enable_gqa``, keys and values with one head shared by all query heads are
-    ``Hkv = 1, G = Hq`` (the heads fold into one unit's rows); otherwise ``Hkv = Hq, G = 1``.
-    """
-
-    problem: AttentionProblem  # validation, dtypes, scale, non-finite rows
-    query: np.ndarray  # (B, Hkv, G, T, Dk) view
-    key: np.ndarray  # (B, Hkv, 1, S, Dk) view
-    value: np.ndarray  # (B, Hkv, 1, S, Dv) view
-    score_mod: Callable | None
-    block_mask: BlockMask | None
-    B: int
-    Hkv: int
-    G: int
-
-    @property
-    def Hq(self) -> int:
-        return self.Hkv * self.G
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.problem.work_dtype
-
-
-def _check_call(query, key, value, score_mod, block_mask, scale, enable_gqa) -> _FlexCall:
-    """Every check of a call, up front; the arrays in the layout of :class:`_FlexCall`."""
-    q, k, v = check_query_key_value(query, key, value, masked_hint=ATTENTION_MASK_HINT)
-    for name, a in (("query", q), ("key", k), ("value", v)):
-        if a.ndim != 4:
-            raise ValueError(
-                f"{name} must be 4-D (B, H, L, D), as in torch's flex_attention; "
-                f"got {name}.shape={a.shape}"
-            )
-    if score_mod is not None:
-        check_mod(score_mod, "score_mod", SCORE_MOD_SIGNATURE)
-    if block_mask is not None and not isinstance(block_mask, BlockMask):
-        raise TypeError(
-            "block_mask must be a BlockMask made by sdpa.create_block_mask, or None; "
-            f"got {type(block_mask).__name__}"
-        )
-    problem = prepare_attention(q, k, v, None, False, scale=scale, enable_gqa=enable_gqa)
-    T, S, Dk = problem.T, problem.S, problem.Dk
-    B = problem.batch_shape[0]
-    k, v = problem.key, problem.value
-    if problem.groups is not None:  # (B, Hkv, G): the grouped layout already
-        _, Hkv, G = problem.batch_shape
-    elif k.shape[1] == 1 and v.shape[1] == 1:
-        Hkv, G = 1, problem.batch_shape[1]  # every query head shares the one key head
-    else:
-        Hkv, G = problem.batch_shape[1], 1
-    if problem.groups is None:  # add the axis of length G (queries) or 1 (keys and values)
-        query = np.broadcast_to(problem.query, (B, Hkv * G, T, Dk)).reshape(B, Hkv, G, T, Dk)
-        keys = [np.broadcast_to(a, (B, Hkv, S, a.shape[-1]))[:, :, None] for a in (k, v)]
-    else:
-        query = np.broadcast_to(problem.query, (B, Hkv, G, T, Dk))
-        keys = [np.broadcast_to(a, (B, Hkv, 1, S, a.shape[-1])) for a in (k, v)]
-    call = _FlexCall(problem, query, keys[0], keys[1], score_mod, block_mask, B, Hkv, G)
-    if block_mask is not None:
-        _check_fit(block_mask, call)
-    return call
-
-
-def _check_fit(block_mask: BlockMask, call: _FlexCall) -> None:
-    Bm, Hm, T, S = block_mask.shape
-    wanted = (call.B, call.Hq, call.problem.T, call.problem.S)
-    if (T, S) != wanted[2:] or Bm not in (1, call.B) or Hm not in (1, call.Hq):
-        raise ValueError(
-            f"block_mask must fit the call: its shape (B, H, Q_LEN, KV_LEN) = "
-            f"{block_mask.shape} against the call's (B, Hq, T, S) = {wanted}, where B and H "
-            "may also be 1 (a mask created with None)"
-        )
-
-
-def _apply_score_mod(call: _FlexCall, scores: np.ndarray, b, h, q_idx, kv_idx) -> np.ndarray:
-    """``score_mod`` on 4-D ``scores`` ``(n_b, n_h, n_q, n_kv)`` (an array the caller owns)
-    and its index arrays, checked: ``scores``, holding the modified scores in the working dtype.
-
-    The result is copied into ``scores`` unless it is ``scores`` itself: the tiled path writes
-    into what this returns, and whatever else the mod returned may be the caller's (a stored
-    bias, a view of one), which must not change. One pass over the tile, as a cast would be."""
-    result = call.score_mod(scores, *index_arrays(b, h, q_idx, kv_idx))
-    result = as_array(result, "score_mod's result")
-    if result.dtype.kind not in "fiu":
-        raise TypeError(
-            f"score_mod must return real scores (a float array); got dtype {result.dtype}"
-        )
-    if not broadcasts_to(result.shape, scores.shape):
-        raise ValueError(
-            f"score_mod must return an array of the shape of its scores {scores.shape} (or one "
-            f"that broadcasts to it); got shape {result.shape}"
-        )
-    if result is not scores:
-        with np.errstate(over="ignore"):  # a score beyond the dtype's range is +-inf, as cast
-            np.copyto(scores, result, casting="unsafe")  # broadcast, cast to the working dtype
-    return scores
-
-
-# ----------------------------------------------------------------------------------------
 # The reference path: the whole score matrix
 # ----------------------------------------------------------------------------------------
 
@@ -263,7 +155,7 @@ def _dense_mask(block_mask: BlockMask) -> np.ndarray:
     return evaluate_mask_mod(block_mask.mask_mod, range(Bm), range(Hm), range(T), range(S))
 
 
-def _flex_reference(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
+def _flex_reference(call: FlexCall) -> tuple[np.ndarray, np.ndarray]:
     """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, from the whole scores."""
     problem, B, Hq, dtype = call.problem, call.B, call.Hq, call.dtype
     T, S = problem.T, problem.S
@@ -281,7 +173,7 @@ def _flex_reference(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
     if problem.may_overflow:
         check_overflow(problem, scores, allowed, None)
     if call.score_mod is not None:
-        scores = _apply_score_mod(call, scores, range(B), range(Hq), range(T), range(S))
+        scores = apply_score_mod(call, scores, range(B), range(Hq), range(T), range(S))
     if allowed is not None:
         scores = np.where(allowed, scores, dtype.type(-np.inf))
     weights, lse = softmax_and_lse(scores, axis=-1)  # (B, Hq, T, S), (B, Hq, T, 1)
@@ -305,7 +197,7 @@ def _flex_reference(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
 class _Tiling:
     """The plan of a call: what every work unit reads and writes."""
 
-    call: _FlexCall
+    call: FlexCall
     factor: np.floating  # the queries' factor: the scale, times log2(e) in base 2
     kinds: np.ndarray  # (1 or B, 1 or Hq, n_q, n_kv) int8: EMPTY, PARTIAL or FULL
     block_q: int  # query positions per block
@@ -326,7 +218,7 @@ class _Tiling:
         return Workspace(rows, keys, self.call.problem.Dv, self.call.dtype)
 
 
-def _blocks(call: _FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
+def _blocks(call: FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
     """``(kinds, block_q, block_kv)``: the block mask's, or without one every key block full
     and one block of rows (of the heads that share a key head) per unit."""
     bm = call.block_mask
@@ -342,7 +234,7 @@ def _blocks(call: _FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
     )
 
 
-def _tiling(call: _FlexCall, block_k: int, v_exp: np.ndarray | None = None) -> _Tiling:
+def _tiling(call: FlexCall, block_k: int, v_exp: np.ndarray | None = None) -> _Tiling:
     problem, bm = call.problem, call.block_mask
     kinds, block_q, block_kv = _blocks(call, block_k)
     # Scores in base 2 where exp2 is the faster (the scale times log2(e): 2 ** x is e ** score),
@@ -492,7 +384,7 @@ class _Unit:
         if problem.may_overflow:  # then the scores are in base e
             check_overflow(problem, scores, None if mask is None else ~mask, None)
         if call.score_mod is not None:
-            scores = _apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols())
+            scores = apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols())
         return scores
 
 
@@ -505,7 +397,7 @@ def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> n
     return column_top(workers)
 
 
-def _flex_tiled(call: _FlexCall, block_k: int, num_threads, stats) -> tuple[np.ndarray, np.ndarray]:
+def _flex_tiled(call: FlexCall, block_k: int, num_threads, stats) -> tuple[np.ndarray, np.ndarray]:
     """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time;
     values near the ends of the range as :mod:`sdpa.tiles.ranges` finds them."""
     tiling = _tiling(call, block_k)
@@ -520,82 +412,7 @@ def _flex_tiled(call: _FlexCall, block_k: int, num_threads, stats) -> tuple[np.n
     return out, tiling.lse.reshape(call.B, call.Hq, T)
 
 
-# ----------------------------------------------------------------------------------------
-# Both paths: empty calls, non-finite inputs, the result
-# ----------------------------------------------------------------------------------------
-
-
-def _flags(bad: np.ndarray | None, call: _FlexCall, length: int) -> np.ndarray | None:
-    """``(B, Hq, length)`` bool from the problem's flags of non-finite rows, or None."""
-    if bad is None:
-        return None
-    full = np.broadcast_to(bad, (*call.problem.batch_shape, length))
-    return full.reshape(call.B, call.Hq, length)
-
-
-def _rows_reaching(call: _FlexCall, flags: np.ndarray) -> np.ndarray:
-    """``(B, Hq, T)`` bool: the query rows that may attend a key flagged in ``flags``
-    ``(B, Hq, S)``. ``mask_mod`` is called on the flagged keys' entries in partial blocks only,
-    so never on an empty block."""
-    T = call.problem.T
-    bm = call.block_mask
-    if bm is None:
-        return np.broadcast_to(flags.any(axis=-1)[..., None], (call.B, call.Hq, T))
-    reach = np.zeros((call.B, call.Hq, T), dtype=bool)
-    block_q, block_kv = bm.BLOCK_SIZE
-    for j in np.flatnonzero(flags.any(axis=(0, 1))):
-        for mb, mh in np.ndindex(*bm.shape[:2]):
-            kinds = np.repeat(bm.kinds[mb, mh, :, j // block_kv], block_q)[:T]  # (T,)
-            allowed = kinds == FULL
-            rows = np.flatnonzero(kinds == PARTIAL)
-            if rows.size:
-                allowed[rows] = evaluate_mask_mod(bm.mask_mod, [mb], [mh], rows, [j])[0, 0, :, 0]
-            b = slice(None) if bm.shape[0] == 1 else mb
-            h = slice(None) if bm.shape[1] == 1 else mh
-            reach[b, h] |= allowed & flags[b, h, j][..., None]
-    return reach
-
-
-def _mark_non_finite(call: _FlexCall, out: np.ndarray, lse: np.ndarray) -> None:
-    """NaN in, NaN out: set to NaN the rows of ``out`` and ``lse`` (in place) whose query holds
-    NaN or inf or that may attend such a key, and the rows of ``out`` that may attend such a
-    value, as :func:`sdpa.scaled_dot_product_attention` does (the inputs were zeroed there)."""
-    problem = call.problem
-    T, S = problem.T, problem.S
-    bad_query = _flags(problem.bad_query, call, T)
-    if bad_query is not None:
-        out[bad_query] = np.nan
-        lse[bad_query] = np.nan
-    for bad, with_lse in ((problem.bad_key, True), (problem.bad_value, False)):
-        flags = _flags(bad, call, S)
-        if flags is None:
-            continue
-        reach = _rows_reaching(call, flags)
-        out[reach] = np.nan
-        if with_lse:
-            lse[reach] = np.nan
-
-
-def _is_empty(call: _FlexCall) -> bool:
-    return 0 in (call.B, call.Hq, call.problem.T, call.problem.S)
-
-
-def _finish(call: _FlexCall, out: np.ndarray, lse: np.ndarray, return_lse: bool):
-    """The caller's dtypes: ``out`` in the inputs' dtype, ``lse`` at least in float32."""
-    _mark_non_finite(call, out, lse)
-    out = out.astype(call.problem.out_dtype, copy=False)
-    if not return_lse:
-        return out
-    return out, lse.astype(lse_dtype(call.problem.out_dtype), copy=False)
-
-
-def _empty(call: _FlexCall) -> tuple[np.ndarray, np.ndarray]:
-    shape = (call.B, call.Hq, call.problem.T)
-    out = np.zeros((*shape, call.problem.Dv), dtype=call.dtype)
-    return out, np.full(shape, -np.inf, dtype=call.dtype)
-
-
-def _worth_tiling(call: _FlexCall) -> bool:
+def _worth_tiling(call: FlexCall) -> bool:
     """The rule of ``implementation="auto"``, from the shapes as the tiled path cuts the work
     (:func:`sdpa.cost_model.flex_worth_tiling`)."""
     shape = (call.B, call.Hkv, call.G, call.problem.T, call.problem.S)
@@ -755,14 +572,14 @@ def flex_attention(
         raise ValueError(
             f"implementation must be 'auto', 'reference' or 'tiled'; got {implementation!r}"
         )
-    call = _check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
-    if _is_empty(call):
-        out, lse = _empty(call)
+    call = check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if is_empty(call):
+        out, lse = empty_result(call)
     elif implementation == "tiled" or (implementation == "auto" and _worth_tiling(call)):
         out, lse = _flex_tiled(call, PIECE_KEYS, None, None)
     else:
         out, lse = _flex_reference(call)
-    return _finish(call, out, lse, return_lse)
+    return finish(call, out, lse, return_lse)
 
 
 def flex_attention_tiled(
@@ -831,9 +648,9 @@ def flex_attention_tiled(
         num_threads = check_positive_int(num_threads, "num_threads")
     if stats is not None and not isinstance(stats, FlexStats):
         raise TypeError(f"stats must be a FlexStats or None; got {type(stats).__name__}")
-    call = _check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
-    if _is_empty(call):
-        out, lse = _empty(call)
+    call = check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if is_empty(call):
+        out, lse = empty_result(call)
     else:
         out, lse = _flex_tiled(call, block_k, num_threads, stats)
-    return _finish(call, out, lse, return_lse)
+    return finish(call, out, lse, return_lse)
