@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REQUIRE = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"
 
 FRONT_MATTER = """\

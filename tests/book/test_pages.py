@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOOK = ROOT / "book"
 SITE = Path(os.environ.get("SDPA_SITE_DIR", ROOT / "_build" / "html"))
 REQUIRE = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"

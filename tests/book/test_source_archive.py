@@ -53,7 +53,7 @@ from urllib.parse import urljoin
 import pytest
 from site_server import serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(os.environ.get("SDPA_SITE_DIR", ROOT / "_build" / "html"))
 TIMINGS = SITE.parent / "source-archive.json"
 BUILD_CACHE = SITE.parent / "doctrees" / "jupyter-cache"  # the execution caches of `make html`
@@ -96,10 +96,10 @@ NEEDED = [
     "src/sdpa/__init__.py",
     "src/sdpa_book/__init__.py",
     "tests/conftest.py",
-    "tests/test_source_archive.py",
+    "tests/book/test_source_archive.py",
 ]
 # A test file of the archive, run in the unpacked folder against the unpacked package.
-UNPACKED_TEST = "tests/test_softmax_stable.py"
+UNPACKED_TEST = "tests/sdpa/test_softmax_stable.py"
 # Pages whose code reads the project's files (the Makefile, MANIFEST.in, the benchmark results, the
 # pages' own sources): the unpacked build executes them afresh; the others come from the cache.
 READS_FILES = re.compile(r"read_text\(|\bopen\(|json\.loads?\(|np\.load\(")

@@ -33,7 +33,7 @@ from site_server import serve
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(os.environ.get("SDPA_SITE_DIR", ROOT / "_build" / "html"))
 SCREENSHOTS = SITE.parent / "screenshots"  # _build/screenshots for the default site
 CHROMIUM = os.environ.get("SDPA_CHROMIUM", "/usr/bin/chromium")

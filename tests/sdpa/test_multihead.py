@@ -1,5 +1,5 @@
 """Tests of sdpa.multihead: split/merge, and MultiHeadAttention against explicit per-head loops
-(PyTorch's nn.MultiheadAttention is compared in test_torch_conformance.py)."""
+(PyTorch's nn.MultiheadAttention is compared in tests/conformance/test_torch.py)."""
 
 from __future__ import annotations
 

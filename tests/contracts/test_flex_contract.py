@@ -3,7 +3,7 @@ the contract alone: ``sdpa.flex_attention``, ``sdpa.create_block_mask`` and ``sd
 
 Every expected value comes from an explicit float64 formula written here (scores, an explicit
 boolean mask, a softmax by hand), or from torch's FlexAttention when it is installed; none comes
-from the code under test. ``tests/test_flex.py`` holds the package's own, finer tests.
+from the code under test. ``tests/sdpa/test_flex.py`` holds the package's own, finer tests.
 """
 
 from __future__ import annotations

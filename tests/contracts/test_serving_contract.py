@@ -4,7 +4,7 @@ from the contract alone: attention sinks (``sinks=``), ``sdpa.merge_attention_st
 
 Expected values come from explicit float64 formulas written here (an extra logit in the
 softmax's denominator; attention over all keys at once; a contiguous list of tokens), never from
-the code under test. The package's own tests (tests/test_sinks.py, test_merge.py,
+the code under test. The package's own tests (tests/sdpa/test_sinks.py, test_merge.py,
 test_paged_kvcache.py) go further.
 """
 

@@ -20,7 +20,7 @@ equivalent PyTorch call and says why:
 * a 1-D ``(S,)`` mask with 4-D inputs: PyTorch 2.13 raises IndexError, we broadcast it by
   NumPy rules, as for every other mask shape;
 * dropout: both are random; ours takes an explicit NumPy generator, so the draws cannot match
-  PyTorch's and dropout is tested in test_attention.py instead.
+  PyTorch's and dropout is tested in tests/sdpa/test_attention.py instead.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The tiled (memory-efficient) path against the reference formula.
 
 The reference path is itself checked against PyTorch and hand-computed values in
-test_attention.py and test_torch_conformance.py; here every feature of the tiled path must
+test_attention.py and tests/conformance/test_torch.py; here every feature of the tiled path must
 agree with it to rounding, for tile sizes that divide nothing, tiles of one element and tiles
 larger than the whole problem. Tile skipping is checked against masks built independently
 with the public mask helpers.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOOK = ROOT / "book"
 SOURCES = sorted(
     p for p in BOOK.rglob("*.md") if "_static" not in p.parts and "_templates" not in p.parts

@@ -43,7 +43,7 @@ from site_server import serve
 
 pytestmark = [pytest.mark.site, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(os.environ.get("SDPA_SITE_DIR", ROOT / "_build" / "html"))
 TIMINGS = SITE.parent / "notebooks-off-the-site.json"
 REQUIRE = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"

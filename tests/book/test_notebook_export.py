@@ -1,6 +1,6 @@
 """The reader's notebook of a page, tried on a tiny book that uses every MyST construct the pages use.
 
-The book is built with the project's own conf.py (as in ``test_book_build.py``); the notebook that
+The book is built with the project's own conf.py (as in ``test_build.py``); the notebook that
 ``book/_ext/sdpa_notebooks.py`` writes into ``_sources/`` must read as the page does, in plain
 Jupyter Markdown: glued values in place, references and citations as text, figures with their
 captions, dropdowns as ``<details>``, hidden cells kept and marked. The expected texts below are
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REQUIRE = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"
 
 INDEX = """\

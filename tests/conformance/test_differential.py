@@ -377,7 +377,7 @@ def test_both_paths_agree_with_torch(torch, p):
     # PyTorch's CPU backward rebuilds the weights as exp(scores - lse) from a rounded lse: for
     # rows whose every key carries finfo.min, lse = finfo.min + log(S) rounds to finfo.min and
     # every weight becomes 1 instead of 1/S (its gradients are then S times too large). Ours
-    # are exact there (see test_backward.py); such rows are compared with the reference only.
+    # are exact there (see tests/sdpa/test_backward.py); such rows are compared with the reference only.
     _, lse = attention(
         q, k, v, p["mask"], implementation="reference", return_lse=True, **options(p)
     )

@@ -1,6 +1,6 @@
 """The interactive figures of the built book, driven in headless Chromium.
 
-Each widget page is opened as ``tests/test_site_browser.py`` opens every page (desktop over
+Each widget page is opened as ``tests/book/test_site_browser.py`` opens every page (desktop over
 http, light; phone from file://, dark), with its rules for requests: nothing may leave the site.
 On each, every widget must come alive (BokehJS from the site's ``_static``), with no console
 error; its controls must be reachable and movable with the keyboard; and on the phone its text

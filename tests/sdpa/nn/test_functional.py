@@ -3,7 +3,7 @@ torch.autograd and torch.optim.AdamW (float64 to 1e-10, float32 to 1e-5), agains
 values, and for the error of every ``raise``.
 
 Every dimension is a different size (leading (2, 3), E = 5, out = 7, V = 11) so that a swapped
-axis cannot pass. The model, DecoderLM, is tested in test_nn_model.py.
+axis cannot pass. The model, DecoderLM, is tested in test_model.py.
 """
 
 from __future__ import annotations
