@@ -15,7 +15,7 @@ import numpy as np
 
 from sdpa import BlockMask
 
-from .figures import ALLOWED_COLOR, COLORS, MASKED_COLOR
+from ..figures import ALLOWED_COLOR, COLORS, MASKED_COLOR
 
 __all__ = [
     "EMPTY",
@@ -83,7 +83,7 @@ def block_kinds(block_mask: BlockMask, b: int = 0, h: int = 0) -> tuple[np.ndarr
     Examples
     --------
     >>> from sdpa import create_block_mask
-    >>> from sdpa_book.block_grid import block_kinds
+    >>> from sdpa_book.pages.block_grid import block_kinds
     >>> mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 6, 6, BLOCK_SIZE=3)
     >>> allowed, kinds = block_kinds(mask)
     >>> kinds  # the diagonal tiles partial, the one below full, the one above empty
@@ -146,7 +146,7 @@ def block_grid(
     >>> import numpy as np
     >>> from sdpa import create_block_mask
     >>> from sdpa.plotting import new_figure
-    >>> from sdpa_book.block_grid import block_grid
+    >>> from sdpa_book.pages.block_grid import block_grid
     >>> mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 6, 6, BLOCK_SIZE=3)
     >>> fig, ax = new_figure()
     >>> image = block_grid(ax, mask)
@@ -200,7 +200,7 @@ def block_legend_handles() -> list:
 
     Examples
     --------
-    >>> from sdpa_book.block_grid import block_legend_handles
+    >>> from sdpa_book.pages.block_grid import block_legend_handles
     >>> [p.get_label() for p in block_legend_handles()]
     ['full tile', 'partial tile: allowed', 'partial tile: masked', 'empty tile: skipped']
     """

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sdpa_book import lm
+from sdpa_book.pages import lm
 
 
 def test_corpus_windows_are_sentences_shifted_by_one():

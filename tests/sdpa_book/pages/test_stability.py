@@ -5,7 +5,7 @@ import pytest
 
 import sdpa
 from sdpa.nn import DecoderLM, layer_norm, softcap
-from sdpa_book.stability import AttentionProbe, attention_entropy, attention_logits
+from sdpa_book.pages.stability import AttentionProbe, attention_entropy, attention_logits
 
 
 def _model(rng, **options):

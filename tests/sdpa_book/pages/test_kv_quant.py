@@ -1,11 +1,11 @@
-"""sdpa_book.kv_quant: asymmetric min-max quantisation per channel or per token, packed codes."""
+"""sdpa_book.pages.kv_quant: asymmetric min-max quantisation per channel or per token, packed codes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sdpa_book.kv_quant import Quantised, dequantise, fake_quantise, quantise
+from sdpa_book.pages.kv_quant import Quantised, dequantise, fake_quantise, quantise
 
 
 def _expanded(stats: np.ndarray, q: Quantised) -> np.ndarray:

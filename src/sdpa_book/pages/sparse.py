@@ -138,7 +138,7 @@ def topic_sequence(
     Examples
     --------
     >>> import numpy as np
-    >>> from sdpa_book.sparse import topic_sequence
+    >>> from sdpa_book.pages.sparse import topic_sequence
     >>> data = topic_sequence(np.random.default_rng(0), 256, 16)
     >>> data.query.shape, data.key.shape, data.value.shape
     ((256, 16), (256, 16), (256, 16))
@@ -220,7 +220,7 @@ def sparse_entries(n, block: int, n_top: int):
     1 and 2 keys of their own block; queries 2 and 3 see 1 and 2 of theirs plus the 2 of block
     0, and score that one block:
 
-    >>> from sdpa_book.sparse import sparse_entries
+    >>> from sdpa_book.pages.sparse import sparse_entries
     >>> sparse_entries(4, block=2, n_top=1)
     (10, 2)
     >>> sparse_entries(4096, block=128, n_top=32)[0] == 4096 * 4097 // 2  # all blocks: dense

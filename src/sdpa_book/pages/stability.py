@@ -10,7 +10,7 @@ passes back through it. To watch this happen the page needs, at regular steps of
 * the **entropy** :math:`-\sum_j a_{ij} \log a_{ij}` of each row of attention weights, 0 for a
   one-hot row and :math:`\log(i + 1)` for a uniform causal row: :func:`attention_entropy`;
 * both recorded by :class:`AttentionProbe`, an ``on_step`` callback of
-  :func:`sdpa_book.lm.train_lm`.
+  :func:`sdpa_book.pages.lm.train_lm`.
 
 Shape letters: ``B`` batch, ``Hq`` query heads, ``T`` sequence length (queries and keys),
 ``L`` the number of blocks.
@@ -86,7 +86,7 @@ def attention_entropy(weights: np.ndarray) -> np.ndarray:
 
 @dataclass
 class AttentionProbe:
-    """An ``on_step`` callback for :func:`sdpa_book.lm.train_lm`: logits and entropies in training.
+    """An ``on_step`` callback for :func:`sdpa_book.pages.lm.train_lm`: logits and entropies in training.
 
     At step 1 and every ``every`` steps it runs the model on ``tokens`` and records, per block,
     the largest logit magnitude and, per block and head, the mean entropy of the attention rows
@@ -112,7 +112,7 @@ class AttentionProbe:
 
     Examples
     --------
-    >>> from sdpa_book.lm import corpus_data, train_lm
+    >>> from sdpa_book.pages.lm import corpus_data, train_lm
     >>> probe = AttentionProbe(corpus_data().val_windows(4)[0][:, :-1], every=2)
     >>> _ = train_lm(steps=4, on_step=probe)
     >>> probe.steps, probe.entropy[0].shape       # (L, Hq) for the book's model

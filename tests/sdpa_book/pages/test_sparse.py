@@ -1,11 +1,11 @@
-"""sdpa_book.sparse: the topic sequence of the page *Sparse attention* and its work counts."""
+"""sdpa_book.pages.sparse: the topic sequence of the page *Sparse attention* and its work counts."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sdpa_book.sparse import TopicSequence, sparse_entries, topic_sequence
+from sdpa_book.pages.sparse import TopicSequence, sparse_entries, topic_sequence
 
 # ---------------------------------------------------------------------------------------------
 # sparse_entries against an explicit count

@@ -258,7 +258,7 @@ def quantise(
     Examples
     --------
     >>> import numpy as np
-    >>> from sdpa_book.kv_quant import dequantise, quantise
+    >>> from sdpa_book.pages.kv_quant import dequantise, quantise
     >>> k = np.array([[0.0, 10.0, 1.0],    # (T=4, D=3): channel 1 is ten times larger
     ...               [1.0, 30.0, 2.0],
     ...               [2.0, 50.0, 0.0],
@@ -328,7 +328,7 @@ def dequantise(q: Quantised) -> np.ndarray:
     Examples
     --------
     >>> import numpy as np
-    >>> from sdpa_book.kv_quant import dequantise, quantise
+    >>> from sdpa_book.pages.kv_quant import dequantise, quantise
     >>> v = np.array([[0.1, 0.45, -0.2, 0.3]], dtype=np.float32)   # (T=1, D=4)
     >>> q = quantise(v, bits=4, per="token")                        # 16 levels
     >>> q.codes(), q.packed               # two codes per byte: 7, 15 -> 0x7F; 0, 12 -> 0x0C
@@ -381,7 +381,7 @@ def fake_quantise(
     Examples
     --------
     >>> import numpy as np
-    >>> from sdpa_book.kv_quant import fake_quantise
+    >>> from sdpa_book.pages.kv_quant import fake_quantise
     >>> x = np.array([[-1.0, -0.4, 0.2, 0.9, 2.0]])    # (T=1, D=5): range 3
     >>> fake_quantise(x, 2, per="token")                # 4 levels, a step of 1: -1, 0, 1, 2
     array([[-1.,  0.,  0.,  1.,  2.]])

@@ -1,4 +1,4 @@
-"""The block-grid figure of sdpa_book.block_grid: tiles sorted from the mask, drawn by kind."""
+"""The block-grid figure of sdpa_book.pages.block_grid: tiles sorted from the mask, drawn by kind."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sdpa import create_block_mask
-from sdpa_book.block_grid import (
+from sdpa_book.pages.block_grid import (
     EMPTY,
     ENTRY_COLORS,
     FULL,
