@@ -1,9 +1,11 @@
-"""sdpa.nn's functions and AdamW, checked against central finite differences (float64), against
-torch.autograd and torch.optim.AdamW (float64 to 1e-10, float32 to 1e-5), against hand-computed
-values, and for the error of every ``raise``.
+"""sdpa.nn.functional's layers (linear, layer and RMS norms, GELU) and their backward passes,
+checked against central finite differences (float64), against torch.autograd (float64 to 1e-10,
+float32 to 1e-5), against hand-computed values and 40-digit decimal arithmetic, and for the
+error of every ``raise``.
 
 Every dimension is a different size (leading (2, 3), E = 5, out = 7, V = 11) so that a swapped
-axis cannot pass. The model, DecoderLM, is tested in test_model.py.
+axis cannot pass. The losses are tested in test_losses.py, soft-capping in test_softcap.py, AdamW
+in test_optim.py, the model, DecoderLM, in test_model.py.
 """
 
 from __future__ import annotations
@@ -13,61 +15,9 @@ from decimal import Decimal, localcontext
 
 import numpy as np
 import pytest
+from nn_checks import F32, F64, FD, OUT, E, central_differences, readonly
 
 from sdpa import nn
-
-LEAD, E, OUT, V = (2, 3), 5, 7, 11
-F64 = dict(rtol=1e-10, atol=1e-10)  # against torch, float64
-F32 = dict(rtol=1e-5, atol=1e-5)  # against torch, float32
-FD = dict(rtol=1e-6, atol=1e-8)  # against central differences (step 1e-6), float64
-
-
-# ---------------------------------------------------------------------------------------------
-# An independent reference: central differences, entry by entry
-# ---------------------------------------------------------------------------------------------
-
-
-def central_differences(f, args, d_y, i, eps=1e-6):
-    """d/d args[i] of sum(d_y * f(*args)), one entry at a time, in float64."""
-    args = [np.array(a, dtype=np.float64) for a in args]
-    grad = np.zeros_like(args[i])
-    for idx in np.ndindex(*args[i].shape):
-        saved = args[i][idx]
-        args[i][idx] = saved + eps
-        up = np.sum(d_y * f(*args))
-        args[i][idx] = saved - eps
-        down = np.sum(d_y * f(*args))
-        args[i][idx] = saved
-        grad[idx] = (up - down) / (2 * eps)
-    return grad
-
-
-def readonly(*arrays):
-    """Copies that raise if anything writes to them: the functions must not mutate inputs."""
-    out = []
-    for a in arrays:
-        a = np.array(a)
-        a.flags.writeable = False
-        out.append(a)
-    return out
-
-
-@pytest.fixture
-def data(rng):
-    """float64 inputs of every function, with a cotangent for each result."""
-    x = rng.standard_normal((*LEAD, E))
-    return dict(
-        x=x,
-        weight=rng.standard_normal((E, OUT)),
-        bias=rng.standard_normal(OUT),
-        d_linear=rng.standard_normal((*LEAD, OUT)),
-        gain=1.0 + 0.3 * rng.standard_normal(E),
-        shift=rng.standard_normal(E),
-        d_x=rng.standard_normal((*LEAD, E)),
-        logits=3.0 * rng.standard_normal((*LEAD, V)),
-        targets=rng.integers(0, V, size=LEAD),
-    )
-
 
 # ---------------------------------------------------------------------------------------------
 # Forward passes: hand-computed values and torch
@@ -108,20 +58,6 @@ def test_gelu_hand_computed():
     )
 
 
-def test_cross_entropy_hand_computed():
-    # row 0: log(1 + e + e^2) - 2 for target 2; row 1 ignored; row 2: log 3 for equal logits
-    logits = np.array([[0.0, 1.0, 2.0], [5.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    expected = (math.log(1 + math.e + math.e**2) - 2 + math.log(3)) / 2
-    loss = nn.cross_entropy(logits, np.array([2, 7, 0]), ignore_index=7)
-    assert isinstance(loss, float)
-    assert loss == pytest.approx(expected, rel=1e-15)
-
-
-def test_cross_entropy_large_logits_do_not_overflow():
-    loss = nn.cross_entropy(np.array([[1000.0, 0.0]]), np.array([1]))
-    assert loss == pytest.approx(1000.0, rel=1e-15)
-
-
 @pytest.mark.torch
 def test_forward_matches_torch(torch, data):
     F = torch.nn.functional
@@ -141,10 +77,6 @@ def test_forward_matches_torch(torch, data):
         for ours, theirs in cases:
             assert ours.dtype == dt
             np.testing.assert_allclose(ours, theirs.numpy(), **tol)
-        ce = F.cross_entropy(t["logits"].reshape(-1, V), t["targets"].reshape(-1))
-        assert nn.cross_entropy(d["logits"], d["targets"]) == pytest.approx(
-            ce.item(), rel=tol["rtol"], abs=tol["atol"]
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,25 +128,6 @@ def test_backward_matches_central_differences(data, case):
         )
 
 
-def test_cross_entropy_backward_matches_central_differences(data):
-    targets = data["targets"].copy()
-    targets[0, 1] = -1  # one ignored row
-    grad = nn.cross_entropy_backward(data["logits"], targets, ignore_index=-1)
-    numeric = central_differences(
-        lambda z: nn.cross_entropy(z, targets, ignore_index=-1), (data["logits"],), 1.0, 0
-    )
-    np.testing.assert_allclose(grad, numeric, **FD)
-    np.testing.assert_array_equal(grad[0, 1], 0.0)
-
-
-def test_embedding_backward_matches_central_differences(rng):
-    table = rng.standard_normal((V, E))
-    indices = np.array([[3, 1, 3], [0, 3, 10]])  # token 3 three times; most rows unused
-    d_out = rng.standard_normal((2, 3, E))
-    numeric = central_differences(lambda t: t[indices], (table,), d_out, 0)
-    np.testing.assert_allclose(nn.embedding_backward(d_out, indices, V), numeric, **FD)
-
-
 def torch_backward(torch, name, args, d_y, approximate="none"):
     """torch.autograd's gradients of sum(d_y * f(*args)) for the function called ``name``."""
     F = torch.nn.functional
@@ -241,44 +154,6 @@ def test_backward_matches_torch(torch, data, case, dtype):
     for i, (ours, theirs) in enumerate(zip(grads, torch_backward(torch, name, args, d_y))):
         assert ours.dtype == dtype
         np.testing.assert_allclose(ours, theirs, **tol, err_msg=f"{name}, argument {i}")
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("ignore_index", [None, -100, 4])
-def test_cross_entropy_backward_matches_torch(torch, data, dtype, ignore_index):
-    logits = data["logits"].astype(dtype)
-    targets = data["targets"].copy()
-    if ignore_index is not None:
-        targets[1, ::2] = ignore_index
-    z = torch.tensor(logits, requires_grad=True)
-    loss = torch.nn.functional.cross_entropy(
-        z.reshape(-1, V),
-        torch.tensor(targets).reshape(-1),
-        ignore_index=-100 if ignore_index is None else ignore_index,
-    )
-    loss.backward()
-    tol = F64 if dtype == np.float64 else F32
-    ours = nn.cross_entropy_backward(logits, targets, ignore_index=ignore_index)
-    assert ours.dtype == dtype
-    np.testing.assert_allclose(ours, z.grad.numpy(), **tol)
-    assert nn.cross_entropy(logits, targets, ignore_index=ignore_index) == pytest.approx(
-        loss.item(), rel=tol["rtol"]
-    )
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_embedding_backward_matches_torch(torch, rng, dtype):
-    indices = np.array([[3, 1, 3], [0, 3, 10]])
-    d_out = rng.standard_normal((2, 3, E)).astype(dtype)
-    table = torch.zeros((V, E), dtype=getattr(torch, np.dtype(dtype).name), requires_grad=True)
-    (
-        torch.nn.functional.embedding(torch.tensor(indices), table) * torch.tensor(d_out)
-    ).sum().backward()
-    ours = nn.embedding_backward(d_out, indices, V)
-    assert ours.dtype == dtype
-    np.testing.assert_allclose(ours, table.grad.numpy(), **(F64 if dtype == np.float64 else F32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,19 +291,16 @@ def test_leading_dimensions_are_rows(data):
 
 def test_inputs_are_never_modified(data):
     """Every function runs on read-only inputs (a write would raise) and leaves them equal."""
-    x, W, b, g, s, d_lin, d_x, z = readonly(
-        *(data[k] for k in ("x", "weight", "bias", "gain", "shift", "d_linear", "d_x", "logits"))
+    x, W, b, g, s, d_lin, d_x = readonly(
+        *(data[k] for k in ("x", "weight", "bias", "gain", "shift", "d_linear", "d_x"))
     )
-    (targets,) = readonly(data["targets"])
-    before = [a.copy() for a in (x, W, b, g, s, d_lin, d_x, z)]
+    before = [a.copy() for a in (x, W, b, g, s, d_lin, d_x)]
     nn.linear(x, W, b), nn.linear_backward(d_lin, x, W, b)
     nn.layer_norm(x, g, s), nn.layer_norm_backward(d_x, x, g, s)
     nn.rms_norm(x, g), nn.rms_norm_backward(d_x, x, g)
     for approximate in ("none", "tanh"):
         nn.gelu(x, approximate=approximate), nn.gelu_backward(d_x, x, approximate=approximate)
-    nn.cross_entropy(z, targets), nn.cross_entropy_backward(z, targets)
-    nn.embedding_backward(d_x, targets, V)
-    for a, b0 in zip((x, W, b, g, s, d_lin, d_x, z), before):
+    for a, b0 in zip((x, W, b, g, s, d_lin, d_x), before):
         np.testing.assert_array_equal(a, b0)
 
 
@@ -448,11 +320,6 @@ def test_float16_is_computed_in_float32_and_returned_as_float16(data):
         data["shift"].astype(np.float16).astype(np.float32),
     )
     np.testing.assert_array_equal(y, ref.astype(np.float16))
-
-
-def test_cross_entropy_backward_rows_sum_to_zero(data):
-    grad = nn.cross_entropy_backward(data["logits"], data["targets"])
-    np.testing.assert_allclose(grad.sum(axis=-1), 0.0, atol=1e-15)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,238 +386,3 @@ def test_eps_must_be_positive_and_finite(eps):
 def test_gelu_approximate_choices():
     with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'; got 'erf'"):
         nn.gelu(np.ones(3), approximate="erf")
-
-
-def test_targets_must_be_integers():
-    with pytest.raises(TypeError, match="targets must be an integer array; got dtype float64"):
-        nn.cross_entropy(np.zeros((2, 3)), np.array([0.0, 1.0]))
-
-
-def test_targets_shape():
-    with pytest.raises(
-        ValueError, match=r"targets must have shape \(2,\); got targets.shape=\(3,\)"
-    ):
-        nn.cross_entropy(np.zeros((2, 3)), np.array([0, 1, 2]))
-
-
-def test_targets_range():
-    with pytest.raises(ValueError, match=r"targets must lie in \[0, 3\); got the value 3"):
-        nn.cross_entropy_backward(np.zeros((2, 3)), np.array([0, 3]))
-
-
-def test_ignore_index_must_be_integer():
-    with pytest.raises(TypeError, match="ignore_index must be an integer or None; got 1.0"):
-        nn.cross_entropy(np.zeros((2, 3)), np.array([0, 1]), ignore_index=1.0)
-
-
-def test_all_targets_ignored():
-    with pytest.raises(ValueError, match="every target equals ignore_index=-1"):
-        nn.cross_entropy(np.zeros((2, 3)), np.array([-1, -1]), ignore_index=-1)
-
-
-def test_num_embeddings_must_be_an_integer():
-    with pytest.raises(TypeError, match="num_embeddings must be a non-negative integer; got 4.0"):
-        nn.embedding_backward(np.ones((2, 3)), np.array([0, 1]), 4.0)
-
-
-def test_num_embeddings_must_not_be_negative():
-    with pytest.raises(ValueError, match="num_embeddings must be a non-negative integer; got -1"):
-        nn.embedding_backward(np.ones((2, 3)), np.array([0, 1]), -1)
-
-
-def test_embedding_d_out_needs_an_axis():
-    with pytest.raises(ValueError, match=r"d_out must have at least one dimension \(..., E\)"):
-        nn.embedding_backward(np.float64(1.0), np.array(0), 4)
-
-
-# ---------------------------------------------------------------------------------------------
-# AdamW
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_adamw_matches_torch_over_20_steps(torch, rng, dtype):
-    shapes = {"w": (E, OUT), "b": (OUT,), "table": (V, 3)}
-    params = {name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
-    grads = [
-        {name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
-        for _ in range(20)
-    ]
-    tensors = {name: torch.tensor(p.copy(), requires_grad=True) for name, p in params.items()}
-    hyper = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    ours = nn.AdamW(params, **hyper)
-    theirs = torch.optim.AdamW(list(tensors.values()), **hyper)
-    tol = F64 if dtype == np.float64 else F32
-    for step, g in enumerate(grads):
-        if step == 10:  # a learning-rate schedule changes lr between steps
-            ours.lr = theirs.param_groups[0]["lr"] = 1e-2
-        for name, t in tensors.items():
-            t.grad = torch.tensor(g[name])
-        theirs.step()
-        ours.step(g)
-        for name, t in tensors.items():
-            assert params[name].dtype == dtype
-            np.testing.assert_allclose(
-                params[name], t.detach().numpy(), **tol, err_msg=f"{name} after step {step + 1}"
-            )
-    assert ours.step_count == 20
-
-
-def test_adamw_first_step_hand_computed():
-    # step 1: m = (1 - b1) g, v = (1 - b2) g^2, so m / (1 - b1) / sqrt(v / (1 - b2)) = sign(g)
-    params = {"w": np.array([1.0, -2.0])}
-    opt = nn.AdamW(params, lr=0.1, eps=0.0, weight_decay=0.5)
-    opt.step({"w": np.array([3.0, -0.001])})
-    np.testing.assert_allclose(params["w"], [1.0 * 0.95 - 0.1, -2.0 * 0.95 + 0.1], rtol=1e-14)
-
-
-def test_adamw_updates_the_arrays_in_place():
-    w = np.zeros(3)
-    params = {"w": w}
-    nn.AdamW(params, lr=0.5).step({"w": np.ones(3)})
-    assert params["w"] is w
-    np.testing.assert_allclose(w, -0.5, rtol=1e-7)
-
-
-def test_adamw_params_must_be_a_dict():
-    with pytest.raises(TypeError, match="params must be a dict of named NumPy arrays; got list"):
-        nn.AdamW([np.zeros(3)])
-
-
-@pytest.mark.parametrize(
-    "params", [{"w": [0.0, 1.0]}, {"w": np.zeros(3, dtype=int)}, {0: np.zeros(3)}]
-)
-def test_adamw_params_must_be_floating_arrays(params):
-    with pytest.raises(TypeError, match="params must map str names to floating NumPy arrays"):
-        nn.AdamW(params)
-
-
-def test_adamw_params_must_be_writable():
-    (w,) = readonly(np.zeros(3))
-    with pytest.raises(ValueError, match=r"params\['w'\] is read-only"):
-        nn.AdamW({"w": w})
-
-
-@pytest.mark.parametrize("option", ["lr", "eps", "weight_decay"])
-def test_adamw_option_must_be_real(option):
-    with pytest.raises(TypeError, match=f"{option} must be a real number; got '0.1'"):
-        nn.AdamW({}, **{option: "0.1"})
-
-
-@pytest.mark.parametrize(
-    "option, value", [("lr", -1e-3), ("eps", math.nan), ("weight_decay", math.inf)]
-)
-def test_adamw_option_range(option, value):
-    with pytest.raises(ValueError, match=rf"{option} must be a finite number in \[0.0, inf\]"):
-        nn.AdamW({}, **{option: value})
-
-
-def test_adamw_betas_must_be_a_pair():
-    with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\); got 0.9"):
-        nn.AdamW({}, betas=0.9)
-
-
-def test_adamw_betas_range():
-    with pytest.raises(
-        ValueError, match=r"betas\[1\] must be a finite number in \[0.0, 1.0\); got 1.0"
-    ):
-        nn.AdamW({}, betas=(0.9, 1.0))
-
-
-def test_adamw_grads_must_be_a_dict():
-    with pytest.raises(TypeError, match="grads must be a dict keyed like params; got list"):
-        nn.AdamW({"w": np.zeros(2)}).step([np.zeros(2)])
-
-
-def test_adamw_grads_keys():
-    with pytest.raises(ValueError, match=r"missing \['w'\], extra \['v'\]"):
-        nn.AdamW({"w": np.zeros(2)}).step({"v": np.zeros(2)})
-
-
-def test_adamw_grads_shape():
-    with pytest.raises(
-        ValueError,
-        match=r"grads\['w'\] must have the shape of params\['w'\], "
-        r"\(2,\); got \(3,\)",
-    ):
-        nn.AdamW({"w": np.zeros(2)}).step({"w": np.zeros(3)})
-
-
-# ---------------------------------------------------------------------------------------------
-# Soft-capping: cap * tanh(x / cap)
-# ---------------------------------------------------------------------------------------------
-
-
-def test_softcap_hand_computed():
-    """tanh(1) = (e^2 - 1) / (e^2 + 1): at x = cap the result is cap * tanh(1) and the slope
-    1 - tanh(1)^2 = 4 e^2 / (e^2 + 1)^2; at 0 the value 0 and the slope 1; +-inf give +-cap."""
-    e2 = math.exp(2.0)
-    x = np.array([-math.inf, -3.0, 0.0, 3.0, math.inf])
-    np.testing.assert_allclose(
-        nn.softcap(x, 3.0), [-3.0, -3.0 * (e2 - 1) / (e2 + 1), 0.0, 3.0 * (e2 - 1) / (e2 + 1), 3.0]
-    )
-    np.testing.assert_allclose(
-        nn.softcap_backward(np.array([1.0, 2.0, 1.0]), np.array([0.0, 3.0, -3.0]), 3.0),
-        [1.0, 2.0 * 4 * e2 / (e2 + 1) ** 2, 4 * e2 / (e2 + 1) ** 2],
-        rtol=1e-15,
-    )
-
-
-def test_softcap_is_a_bounded_near_identity(rng):
-    """|softcap(x) - x| <= |x|^3 / (3 cap^2) (the Notes' bound), and |softcap(x)| <= cap."""
-    x = 10.0 * rng.standard_normal(1000)
-    y = nn.softcap(x, 4.0)
-    assert np.all(np.abs(y) <= 4.0)
-    assert np.all(np.abs(y - x) <= np.abs(x) ** 3 / (3 * 4.0**2) * (1 + 1e-12) + 1e-15)
-
-
-def test_softcap_backward_matches_central_differences(data):
-    x = 3.0 * data["x"]
-    grad = nn.softcap_backward(data["d_x"], x, 2.5)
-    numeric = central_differences(lambda x: nn.softcap(x, 2.5), [x], data["d_x"], 0)
-    np.testing.assert_allclose(grad, numeric, **FD)
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_softcap_and_backward_match_torch(torch, data, dtype):
-    x, d_y = (3.0 * data["x"]).astype(dtype), data["d_x"].astype(dtype)
-    tol = F64 if dtype == np.float64 else F32
-    t = torch.tensor(x, requires_grad=True)
-    y = 2.5 * torch.tanh(t / 2.5)
-    (y * torch.tensor(d_y)).sum().backward()
-    ours = nn.softcap(x, 2.5)
-    assert ours.dtype == dtype
-    np.testing.assert_allclose(ours, y.detach().numpy(), **tol)
-    d_x = nn.softcap_backward(d_y, x, 2.5)
-    assert d_x.dtype == dtype
-    np.testing.assert_allclose(d_x, t.grad.numpy(), **tol)
-
-
-def test_softcap_does_not_modify_its_inputs(data):
-    x, d_y = readonly(data["x"], data["d_x"])
-    nn.softcap(x, 1.0)
-    nn.softcap_backward(d_y, x, 1.0)
-
-
-@pytest.mark.parametrize("cap", ["1", None, True])
-def test_softcap_cap_must_be_real(cap):
-    with pytest.raises(TypeError, match="cap must be a positive, finite real number; got"):
-        nn.softcap(np.ones(2), cap)
-
-
-@pytest.mark.parametrize("cap", [0.0, -2.0, math.inf, math.nan])
-def test_softcap_cap_must_be_positive_and_finite(cap):
-    with pytest.raises(ValueError, match="cap must be a positive, finite real number; got"):
-        nn.softcap_backward(np.ones(2), np.ones(2), cap)
-
-
-def test_softcap_backward_shape_must_match():
-    with pytest.raises(ValueError, match=r"d_y must have the shape of the forward result"):
-        nn.softcap_backward(np.ones(3), np.ones(2), 1.0)
-
-
-def test_softcap_input_must_be_real():
-    with pytest.raises(TypeError, match="x must be a real floating, integer or bool array"):
-        nn.softcap(np.ones(2) * 1j, 1.0)
