@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mods import causal_mask
 
 from sdpa import create_block_mask
 from sdpa_book.pages.block_grid import (
@@ -31,13 +32,9 @@ def ax():
     plt.close(fig)
 
 
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
 def test_kinds_of_a_causal_mask_by_hand():
     # 8 x 8 scores in tiles of 4 x 4: the diagonal tiles partial, below full, above empty.
-    allowed, kinds = block_kinds(create_block_mask(causal, None, None, 8, 8, BLOCK_SIZE=4))
+    allowed, kinds = block_kinds(create_block_mask(causal_mask, None, None, 8, 8, BLOCK_SIZE=4))
     np.testing.assert_array_equal(allowed, np.tri(8, dtype=bool))
     np.testing.assert_array_equal(kinds, [[PARTIAL, EMPTY], [FULL, PARTIAL]])
 
@@ -82,7 +79,7 @@ def test_the_batch_entry_and_head_are_chosen():
 
 
 def test_the_image_codes_each_entry_by_its_tile(ax):
-    mask = create_block_mask(causal, None, None, 8, 8, BLOCK_SIZE=4)
+    mask = create_block_mask(causal_mask, None, None, 8, 8, BLOCK_SIZE=4)
     codes = np.asarray(block_grid(ax, mask).get_array())
     i, j = np.indices((8, 8))
     upper_left, lower_right = (i < 4) & (j < 4), (i >= 4) & (j >= 4)
@@ -96,7 +93,7 @@ def test_the_image_codes_each_entry_by_its_tile(ax):
 
 
 def test_the_image_of_a_shorter_last_tile_has_the_matrix_shape(ax):
-    mask = create_block_mask(causal, None, None, 10, 7, BLOCK_SIZE=4)
+    mask = create_block_mask(causal_mask, None, None, 10, 7, BLOCK_SIZE=4)
     assert np.asarray(block_grid(ax, mask).get_array()).shape == (10, 7)
 
 
@@ -120,18 +117,18 @@ def test_block_mask_must_be_a_block_mask():
 
 @pytest.mark.parametrize("name", ["b", "h"])
 def test_batch_entry_and_head_must_be_in_the_mask(name):
-    mask = create_block_mask(causal, None, None, 4, 4, BLOCK_SIZE=2)
+    mask = create_block_mask(causal_mask, None, None, 4, 4, BLOCK_SIZE=2)
     with pytest.raises(ValueError, match=rf"{name} must be in \[0, 1\) .*; got 1"):
         block_kinds(mask, **{name: 1})
 
 
 def test_batch_entry_must_be_an_int():
-    mask = create_block_mask(causal, None, None, 4, 4, BLOCK_SIZE=2)
+    mask = create_block_mask(causal_mask, None, None, 4, 4, BLOCK_SIZE=2)
     with pytest.raises(TypeError, match="b must be an int; got 0.0"):
         block_kinds(mask, b=0.0)
 
 
 def test_ax_must_be_an_axes():
-    mask = create_block_mask(causal, None, None, 4, 4, BLOCK_SIZE=2)
+    mask = create_block_mask(causal_mask, None, None, 4, 4, BLOCK_SIZE=2)
     with pytest.raises(TypeError, match="ax must be a matplotlib Axes; got NoneType"):
         block_grid(None, mask)
