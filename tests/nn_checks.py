@@ -59,3 +59,32 @@ def readonly(*arrays):
         a.flags.writeable = False
         out.append(a)
     return out
+
+
+# The tiny language models of test_model, test_generation and test_inputs: V = 7, E = 8, two
+# blocks, at most 6 tokens; each configuration of LM_CONFIGS a variant of it.
+LM_SIZES = dict(vocab_size=7, d_model=8, n_layers=2, n_heads=2, d_ff=12, max_len=6)
+LM_CONFIGS = {
+    "rope-layer": dict(positional="rope", norm="layer"),
+    "sinusoidal-rms": dict(positional="sinusoidal", norm="rms"),
+    "learned-layer": dict(positional="learned", norm="layer"),
+    "none-rms": dict(positional=None, norm="rms"),
+    "gqa-rope": dict(positional="rope", n_heads=4, n_kv_heads=2),
+    "mqa-learned-rms": dict(positional="learned", norm="rms", n_heads=2, n_kv_heads=1),
+    "attention-only-rope": dict(positional="rope", attention_only=True),
+    "attention-only-gqa-sinusoidal": dict(
+        positional="sinusoidal", attention_only=True, n_heads=4, n_kv_heads=2
+    ),
+}
+
+
+def make_model(seed=0, **overrides):
+    config = dict(LM_SIZES, rng=np.random.default_rng(seed))
+    config.update(overrides)
+    model = nn.DecoderLM(**config)
+    # Random norm gains and biases, so that their gradients are not tested at a special point.
+    rng = np.random.default_rng(seed + 1)
+    for name, p in model.params.items():
+        if "norm" in name:
+            p += 0.3 * rng.standard_normal(p.shape).astype(p.dtype)
+    return model

@@ -1,5 +1,7 @@
 """sdpa.nn.DecoderLM: every parameter's gradient against central finite differences in each
-configuration, generation with and without the KV cache, causality, and every ``raise``.
+configuration, causality, the forward's probes (kv_transform, attn_mask, returned scores), and
+every ``raise`` of the model's options (generation is tested in test_generation.py, the checks of
+tokens and targets in test_inputs.py).
 
 The models are tiny (V = 7, E = 8, two blocks, T = 5), so the finite differences of every
 parameter of eight configurations take a few seconds.
@@ -11,43 +13,12 @@ import copy
 
 import numpy as np
 import pytest
-from nn_checks import central_difference
+from nn_checks import LM_CONFIGS as CONFIGS
+from nn_checks import LM_SIZES, central_difference, make_model
 
 from sdpa import nn
 
-V, E, MAX_LEN = 7, 8, 6
-CONFIGS = {
-    "rope-layer": dict(positional="rope", norm="layer"),
-    "sinusoidal-rms": dict(positional="sinusoidal", norm="rms"),
-    "learned-layer": dict(positional="learned", norm="layer"),
-    "none-rms": dict(positional=None, norm="rms"),
-    "gqa-rope": dict(positional="rope", n_heads=4, n_kv_heads=2),
-    "mqa-learned-rms": dict(positional="learned", norm="rms", n_heads=2, n_kv_heads=1),
-    "attention-only-rope": dict(positional="rope", attention_only=True),
-    "attention-only-gqa-sinusoidal": dict(
-        positional="sinusoidal", attention_only=True, n_heads=4, n_kv_heads=2
-    ),
-}
-
-
-def make_model(seed=0, **overrides):
-    config = dict(
-        vocab_size=V,
-        d_model=E,
-        n_layers=2,
-        n_heads=2,
-        d_ff=12,
-        max_len=MAX_LEN,
-        rng=np.random.default_rng(seed),
-    )
-    config.update(overrides)
-    model = nn.DecoderLM(**config)
-    # Random norm gains and biases, so that their gradients are not tested at a special point.
-    rng = np.random.default_rng(seed + 1)
-    for name, p in model.params.items():
-        if "norm" in name:
-            p += 0.3 * rng.standard_normal(p.shape).astype(p.dtype)
-    return model
+V, E, MAX_LEN = LM_SIZES["vocab_size"], LM_SIZES["d_model"], LM_SIZES["max_len"]
 
 
 @pytest.fixture
@@ -217,126 +188,6 @@ def test_repr_names_the_configuration():
 
 
 # ---------------------------------------------------------------------------------------------
-# Generation
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-@pytest.mark.parametrize(
-    "sampling",
-    [dict(temperature=0), dict(temperature=1.0, top_k=3), dict(temperature=0.7)],
-    ids=["greedy", "top3", "t0.7"],
-)
-def test_generation_with_and_without_cache_agree(config, sampling, rng):
-    model = make_model(**config)
-    prompt = rng.integers(0, V, size=(2, 2))
-    runs = [
-        model.generate(prompt, 4, rng=np.random.default_rng(5), use_cache=use_cache, **sampling)
-        for use_cache in (True, False)
-    ]
-    assert runs[0].shape == (2, 6)
-    np.testing.assert_array_equal(runs[0], runs[1])
-    np.testing.assert_array_equal(runs[0][:, :2], prompt)
-
-
-def test_greedy_generation_follows_the_argmax(rng):
-    model = make_model(**CONFIGS["sinusoidal-rms"])
-    out = model.generate(np.array([3]), 5, temperature=0)
-    for t in range(1, 6):
-        assert out[t] == np.argmax(model.forward(out[:t])[-1])
-
-
-def test_top_1_sampling_is_greedy(rng):
-    model = make_model()
-    prompt = np.array([1, 2])
-    greedy = model.generate(prompt, 4, temperature=0)
-    np.testing.assert_array_equal(
-        model.generate(prompt, 4, temperature=2.0, top_k=1, rng=rng), greedy
-    )
-
-
-def test_sampling_follows_the_model_distribution():
-    """With one new token, the sampled frequencies match softmax(logits / temperature)."""
-    model = make_model(seed=3)
-    prompt = np.zeros((4000, 3), dtype=int)
-    samples = model.generate(prompt, 1, temperature=1.5, rng=np.random.default_rng(0))[:, -1]
-    z = model.forward(prompt[0])[-1] / 1.5
-    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
-    freq = np.bincount(samples, minlength=V) / len(samples)
-    np.testing.assert_allclose(freq, p, atol=4 * np.sqrt(p * (1 - p) / len(samples)).max())
-
-
-def model_with_logits(logits):
-    """A model whose next-token logits are exactly ``logits`` after any prompt: the final
-    layer norm has gain 0 and bias e_0, so the stream becomes e_0 at every position, and row 0
-    of the unembedding is ``logits``."""
-    model = make_model(norm="layer")
-    model.params["final_norm.weight"][...] = 0.0
-    model.params["final_norm.bias"][...] = np.eye(E)[0]
-    model.params["unembedding"][...] = 0.0
-    model.params["unembedding"][0] = logits
-    np.testing.assert_array_equal(model.forward(np.array([4, 1]))[-1], logits)
-    return model
-
-
-TIED = [1.0, 3.0, 3.0, 0.0, 3.0, 2.0, -1.0]  # tokens 1, 2 and 4 tie for the largest logit
-N_SAMPLES = 600
-
-
-def next_tokens(model, **sampling):
-    prompt = np.zeros((N_SAMPLES, 1), dtype=int)
-    return model.generate(prompt, 1, rng=np.random.default_rng(7), **sampling)[:, -1]
-
-
-def assert_frequencies(samples, p):
-    """The sampled frequencies of the tokens are p, within four standard deviations."""
-    freq = np.bincount(samples, minlength=V) / len(samples)
-    np.testing.assert_allclose(freq, p, atol=4 * np.sqrt(0.25 / len(samples)))
-
-
-@pytest.mark.parametrize(
-    "top_k, kept",
-    [(1, [1]), (2, [1, 2]), (3, [1, 2, 4]), (4, [1, 2, 4, 5]), (7, list(range(V)))],
-)
-def test_top_k_keeps_exactly_k_tokens_and_breaks_ties_by_the_lowest_id(top_k, kept):
-    """Tokens 1, 2 and 4 tie for the largest logit: top_k = 2 keeps 1 and 2 only (not all
-    three), and they are sampled in proportion to exp(logit) among the kept ones."""
-    samples = next_tokens(model_with_logits(TIED), temperature=1.0, top_k=top_k)
-    weights = np.zeros(V)
-    weights[kept] = np.exp(np.array(TIED)[kept])  # softmax restricted to the kept tokens
-    assert set(np.unique(samples)) == set(kept)
-    assert_frequencies(samples, weights / weights.sum())
-
-
-@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30])
-def test_a_tiny_temperature_is_greedy(temperature, rng):
-    """logits / 5e-324 overflow; as the temperature tends to 0, sampling tends to the argmax."""
-    logits = [1.0, 2.5, 3.0, 0.0, 2.999, 2.0, -1.0]
-    samples = next_tokens(model_with_logits(logits), temperature=temperature)
-    np.testing.assert_array_equal(samples, np.full(N_SAMPLES, 2))
-    model = make_model()  # random logits, several steps: the greedy continuation
-    prompt = rng.integers(0, V, size=(3, 2))
-    np.testing.assert_array_equal(
-        model.generate(prompt, 4, temperature=temperature, rng=rng),
-        model.generate(prompt, 4, temperature=0),
-    )
-
-
-def test_ties_for_the_largest_logit():
-    """Greedy takes the lowest id among the tied largest logits; sampling, at any temperature
-    > 0 (however small), gives them equal chances, the limit of softmax(logits / t)."""
-    model = model_with_logits(TIED)
-    assert set(next_tokens(model, temperature=0)) == {1}
-    third = np.array([0, 1, 1, 0, 1, 0, 0]) / 3
-    assert_frequencies(next_tokens(model, temperature=5e-324), third)
-    assert_frequencies(next_tokens(model, temperature=1e-3, top_k=3), third)
-
-
-def test_zero_new_tokens_returns_the_prompt():
-    np.testing.assert_array_equal(make_model().generate(np.array([1, 2]), 0, temperature=0), [1, 2])
-
-
-# ---------------------------------------------------------------------------------------------
 # Errors: one test per raise
 # ---------------------------------------------------------------------------------------------
 
@@ -409,102 +260,6 @@ def test_rng_must_be_a_generator():
 def test_return_attention_must_be_bool():
     with pytest.raises(TypeError, match="return_attention must be a bool; got 'yes'"):
         make_model().forward(np.array([1]), return_attention="yes")
-
-
-def test_tokens_must_be_integers():
-    with pytest.raises(
-        TypeError, match="tokens must be an integer array of token ids; got dtype float64"
-    ):
-        make_model().forward(np.array([1.0, 2.0]))
-
-
-@pytest.mark.parametrize("tokens", [np.zeros((1, 1, 2), dtype=int), np.zeros((2, 0), dtype=int)])
-def test_tokens_must_be_1d_or_2d_and_not_empty(tokens):
-    with pytest.raises(ValueError, match=r"tokens must have shape \(T,\) or \(B, T\) with T >= 1"):
-        make_model().forward(tokens)
-
-
-def test_tokens_must_fit_max_len():
-    with pytest.raises(ValueError, match="tokens holds T=7 tokens, more than max_len=6"):
-        make_model().forward(np.zeros(7, dtype=int))
-
-
-@pytest.mark.parametrize("bad", [-1, V])
-def test_token_ids_must_be_in_the_vocabulary(bad):
-    with pytest.raises(
-        ValueError, match=rf"tokens must hold token ids in \[0, vocab_size=7\); got {bad}"
-    ):
-        make_model().forward(np.array([0, bad]))
-
-
-def test_targets_must_be_integers():
-    with pytest.raises(
-        TypeError, match="targets must be an integer array of token ids; got dtype float64"
-    ):
-        make_model().loss_and_grads(np.array([1, 2]), np.array([1.0, 2.0]))
-
-
-def test_targets_must_have_the_shape_of_tokens():
-    with pytest.raises(
-        ValueError, match=r"targets must have the shape of tokens, \(1, 2\); got \(1, 3\)"
-    ):
-        make_model().loss_and_grads(np.array([1, 2]), np.array([1, 2, 3]))
-
-
-def test_targets_must_be_in_the_vocabulary():
-    with pytest.raises(ValueError, match=r"targets must lie in \[0, 7\); got the value 7"):
-        make_model().loss_and_grads(np.array([1, 2]), np.array([1, 7]))
-
-
-def test_max_new_tokens_must_be_an_integer():
-    with pytest.raises(TypeError, match="max_new_tokens must be a non-negative integer; got 2.0"):
-        make_model().generate(np.array([1]), 2.0)
-
-
-def test_generation_must_fit_max_len():
-    with pytest.raises(
-        ValueError, match="the prompt's T0=2 tokens plus max_new_tokens=5 exceed max_len=6"
-    ):
-        make_model().generate(np.array([1, 2]), 5)
-
-
-def test_temperature_must_be_real():
-    with pytest.raises(TypeError, match="temperature must be a real number; got None"):
-        make_model().generate(np.array([1]), 2, temperature=None)
-
-
-@pytest.mark.parametrize("temperature", [-0.5, np.inf])
-def test_temperature_must_be_finite_and_non_negative(temperature):
-    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
-        make_model().generate(np.array([1]), 2, temperature=temperature)
-
-
-def test_top_k_must_be_an_integer():
-    with pytest.raises(TypeError, match="top_k must be a non-negative integer; got 2.5"):
-        make_model().generate(np.array([1]), 2, top_k=2.5, rng=np.random.default_rng(0))
-
-
-@pytest.mark.parametrize("top_k", [0, V + 1])
-def test_top_k_range(top_k):
-    with pytest.raises(
-        ValueError, match=rf"top_k must be in \[1, vocab_size=7\] or None; got {top_k}"
-    ):
-        make_model().generate(np.array([1]), 2, top_k=top_k, rng=np.random.default_rng(0))
-
-
-def test_sampling_needs_rng():
-    with pytest.raises(TypeError, match=r"sampling \(temperature > 0\) needs rng="):
-        make_model().generate(np.array([1]), 2)
-
-
-def test_rng_of_generate_must_be_a_generator():
-    with pytest.raises(TypeError, match="rng must be a numpy.random.Generator"):
-        make_model().generate(np.array([1]), 2, rng=np.random.RandomState(0))
-
-
-def test_use_cache_must_be_bool():
-    with pytest.raises(TypeError, match="use_cache must be a bool; got 'no'"):
-        make_model().generate(np.array([1]), 2, temperature=0, use_cache="no")
 
 
 # -- forward's probes: kv_transform and attn_mask --------------------------------------------
