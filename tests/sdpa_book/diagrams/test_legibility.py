@@ -2,7 +2,7 @@
 MIN_FONT_PT, no text clipped or overlapping other text, at most FULL_WIDTH wide) at
 representative and extreme sizes, and the package exports the names the API page documents.
 
-Each module of the package has its own file, ``test_diagrams_<module>.py`` (each diagram's
+Each module of the package has its own file, ``test_<module>.py`` beside this one (each diagram's
 shapes, proportions and errors); the helpers they share are in ``diagram_checks.py``."""
 
 from __future__ import annotations
