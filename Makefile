@@ -61,7 +61,7 @@ node_modules: $(NODE_STAMP) ## install MathJax for the book from package-lock.js
 # beside the other tests, their output shown when both are done; either failing fails the run.
 # (Three streams, one per reader test, were slower on two cores than two.) The widgets' browser
 # test joins them: the other stream, with the crawl of every page, was the longer by 150 s.
-BESIDE_TESTS := tests/test_source_archive.py tests/test_notebooks.py tests/test_site_widgets.py
+BESIDE_TESTS := tests/book/test_source_archive.py tests/book/test_notebooks.py tests/book/test_site_widgets.py
 test: $(STAMP) lint html-force ## run every test: lint, unit, doctests, README, book build and browser
 	@$(VPY) -m pytest -p no:cacheprovider $(BESIDE_TESTS) $(PYTEST_ARGS) > $(BUILDDIR)/beside-tests.log 2>&1 & beside=$$!; \
 	$(VPY) -m pytest $(foreach t,$(BESIDE_TESTS),--ignore=$(t)) $(PYTEST_ARGS); status=$$?; \

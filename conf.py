@@ -82,7 +82,7 @@ sdpa_cache_packages = ["src/sdpa", "src/sdpa_book", "benchmarks/results/latest.j
 sdpa_cache_distributions = ["numpy", "matplotlib", "bokeh"]  # and the Python version
 # The pages that execute longest (they train models): a parallel build reads each in a process of
 # its own, in this order, before the others (sdpa_parallel). The training page comes first: the
-# pages of Part VIII reuse the model it trains (sdpa_book.lm) instead of training it again.
+# pages of Part VIII reuse the model it trains (sdpa_book.pages.lm) instead of training it again.
 # Only the build's time depends on this list.
 sdpa_slow_pages = [
     "lm/training",

@@ -15,8 +15,11 @@ from hypothesis import settings
 settings.register_profile("sdpa", deadline=None)
 settings.load_profile("sdpa")
 
-# tests/references.py, the independent references, is imported by the tests as `references`.
+# tests/references.py, the independent references, is imported by the tests as `references`
+# (the tests live in subfolders; their shared helper modules here); tests/book/test_site_widgets.py
+# imports the browser test's setup as `test_site_browser`.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent / "book"))
 
 # .ci/run sets this: there, a missing reference implementation is a failure, not a skip.
 REQUIRE_REFERENCES = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"

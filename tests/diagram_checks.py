@@ -1,4 +1,4 @@
-"""Helpers the diagram tests share (tests/test_diagrams*.py): one drawing per set of arguments,
+"""Helpers the diagram tests share (tests/sdpa_book/diagrams/): one drawing per set of arguments,
 and readers of what a figure shows (its shape labels, grey cells, arrows) and of its legibility."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def key_execution_cache(app, config) -> None:
     config.sdpa_package_fingerprint = package_fingerprint(
         packages, list(config.sdpa_cache_distributions)
     )
-    # Models the pages train once per build and share (sdpa_book.lm.trained_lm) live beside
+    # Models the pages train once per build and share (sdpa_book.pages.lm.trained_lm) live beside
     # the execution cache; the kernels the pages run in inherit this environment.
     os.environ.setdefault("SDPA_MODEL_CACHE", str(Path(app.doctreedir) / "models"))
     if config.nb_execution_cache_path:  # set explicitly (-D or conf): leave it alone

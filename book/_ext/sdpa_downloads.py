@@ -33,7 +33,7 @@ DOWNLOADS = "downloads"  # the site's folder for the wheel, sdist, requirements 
 READER_PACKAGES = ["numpy", "matplotlib", "ipykernel", "nbclient"]
 ZIP_DATE = (2026, 1, 1, 0, 0, 0)  # fixed, so that an unchanged book gives the same archive
 # Files the source archive needs so that `make html` and `make test` run from it (a sample:
-# tests/test_source_archive.py checks the whole list against the files git tracks).
+# tests/book/test_source_archive.py checks the whole list against the files git tracks).
 SOURCE_TREE = [
     "Makefile",
     "conf.py",

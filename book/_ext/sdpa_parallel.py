@@ -32,7 +32,7 @@ def slow_first_chunks(docnames: Sequence[str], nproc: int, maxbatch: int = 10) -
 
 def install(app) -> None:
     """Put the chunking in place of Sphinx's (names of pages the book lacks are passed over:
-    ``tests/test_notebooks.py`` checks that the book's list names its pages)."""
+    ``tests/book/test_notebooks.py`` checks that the book's list names its pages)."""
     SLOW_FIRST[:] = app.config.sdpa_slow_pages
     sphinx.builders.make_chunks = slow_first_chunks  # the name Sphinx's builders call
 

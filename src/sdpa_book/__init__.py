@@ -21,20 +21,9 @@ figures
 diagrams
     Pictures of data flow drawn from a page's own arrays (a GPU's thread blocks and a paged
     cache's block tables among them).
-block_grid
-    :func:`~sdpa_book.block_grid.block_kinds` (full, partial and empty tiles of a block mask) and
-    :func:`~sdpa_book.block_grid.block_grid` (one panel of them).
-sparse
-    :func:`~sdpa_book.sparse.topic_sequence` (queries and keys with a known structure) and
-    :func:`~sdpa_book.sparse.sparse_entries` (the entries block-sparse attention computes).
-lm
-    :func:`~sdpa_book.lm.trained_lm`: the language model of *Training a language model*,
-    trained once per build and shared by the pages that study it (and variants of it).
-kv_quant
-    :func:`~sdpa_book.kv_quant.quantise` and :func:`~sdpa_book.kv_quant.dequantise`: integer
-    keys and values with per-channel or per-token scales.
-stability
-    What a page records while a model trains: attention logits and entropies.
+pages
+    Helpers of single pages (or of one part): block grids, sparse attention's data, the book's
+    trained model, quantised keys and values, training probes (see :mod:`sdpa_book.pages`).
 widgets
     Interactive figures: every state computed by ``sdpa`` at build time, BokehJS in the page.
 """

@@ -1,0 +1,27 @@
+"""Helpers of single pages of the book (or of one part): each module serves the pages named
+here, and the rest of ``sdpa_book`` (glue, tables, timing, the figure style, the diagrams, the
+widgets) is what many pages share.
+
+Modules
+-------
+block_grid
+    *Programmable attention* (``book/modern/programmable-attention.md``):
+    :func:`~sdpa_book.pages.block_grid.block_kinds` (full, partial and empty tiles of a block
+    mask) and :func:`~sdpa_book.pages.block_grid.block_grid` (one panel of them).
+sparse
+    *Sparse attention* (``book/modern/sparse-attention.md``):
+    :func:`~sdpa_book.pages.sparse.topic_sequence` (queries and keys with a known structure) and
+    :func:`~sdpa_book.pages.sparse.sparse_entries` (the entries block-sparse attention computes).
+lm
+    *Training a language model* (``book/lm/training.md``) trains the book's language model;
+    the pages of Part VIII (``book/measured/``: attention sinks, QK-norm, latent attention,
+    quantised KV caches) study it through :func:`~sdpa_book.pages.lm.trained_lm`, which trains it
+    once per build.
+kv_quant
+    *Quantised KV caches* (``book/measured/quantised-kv-cache.md``):
+    :func:`~sdpa_book.pages.kv_quant.quantise` and :func:`~sdpa_book.pages.kv_quant.dequantise`,
+    integer keys and values with per-channel or per-token scales.
+stability
+    *QK-norm and soft-capping* (``book/measured/qk-norm.md``): what the page records while a model
+    trains, attention logits and entropies.
+"""

@@ -1,0 +1,414 @@
+"""The interactive figures of the built book, driven in headless Chromium.
+
+Each widget page is opened as ``tests/book/test_site_browser.py`` opens every page (desktop over
+http, light; phone from file://, dark), with its rules for requests: nothing may leave the site.
+On each, every widget must come alive (BokehJS from the site's ``_static``), with no console
+error; its controls must be reachable and movable with the keyboard; and on the phone its text
+must be at least 9 CSS px. Then each widget is driven (a slider moved with the arrow keys, an
+option chosen) and what it displays, the readout and the data of its figure, is compared with
+the package's values for that setting. Without JavaScript the static picture shows instead.
+
+Build the site first (``make html``). Without a built site or Chromium the tests skip, except
+under ``SDPA_REQUIRE_REFERENCES=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+from site_server import serve
+from test_site_browser import CHROMIUM, CHROMIUM_ARGS, MODES, SITE, _allowed, site  # noqa: F401
+
+import sdpa
+from sdpa_book.widgets import flash_states, kv_cache_bytes, mask_weights, rope_states
+
+pytestmark = pytest.mark.browser
+
+# The pages that carry a widget, and the widget's name (data-sdpa-widget).
+WIDGET_PAGES = {
+    "formula/scaling.html": "softmax",
+    "llm/masking.html": "masks",
+    "cost/memory-efficient.html": "flash-loop",
+    "modern/rope.html": "rope",
+    "lm/induction-heads.html": "lm-attention",
+    "modern/kv-cache.html": "kv-cache",
+}
+TIMEOUT_MS = 180_000
+MIN_TEXT_PX = 9.0
+MIN_CONTRAST = 4.5  # WCAG AA for text
+
+# The lowest contrast between the widget's text (labels, menus, readout) and what is behind it.
+CONTRAST_JS = """
+(root) => {
+  const rgba = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+  const lum = ([r, g, b]) => {
+    const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  const behind = (el) => {
+    for (let e = el; e; e = e.parentElement) {
+      const c = rgba(getComputedStyle(e).backgroundColor);
+      if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) return c.slice(0, 3);
+    }
+    return [255, 255, 255];
+  };
+  let worst = 21, what = "";
+  for (const el of root.querySelectorAll("label, output, select, .sdpa-widget-readout, .sdpa-widget-title")) {
+    if (el.offsetParent === null) continue;
+    const a = lum(rgba(getComputedStyle(el).color)), b = lum(behind(el));
+    const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+    if (ratio < worst) { worst = ratio; what = el.tagName + " " + el.textContent.slice(0, 30); }
+  }
+  return [worst, what];
+}
+"""
+
+# The smallest font size of the widget's own text and of its Bokeh figure's text properties.
+TEXT_SIZES_JS = """
+(root) => {
+  const sizes = [];
+  for (const el of root.querySelectorAll("label, output, select, option, p, span")) {
+    if (el.offsetParent !== null && el.textContent.trim())
+      sizes.push(parseFloat(getComputedStyle(el).fontSize));
+  }
+  for (const m of root.sdpaDocument.all_models) {
+    for (const [k, v] of Object.entries(m.properties || {})) {
+      if (k.endsWith("font_size")) {
+        const value = m[k];
+        const px = typeof value === "string" ? value : (value && value.value);
+        if (typeof px === "string" && px.endsWith("px")) sizes.push(parseFloat(px));
+      }
+    }
+  }
+  return sizes;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(SITE) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def browser(site):  # noqa: F811 - the site fixture of test_site_browser
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+class Visit:
+    """One page open in a browser context, with what went wrong on it."""
+
+    def __init__(self, browser, url: str, mode: str, javascript: bool = True):
+        self.problems: list[str] = []
+        self.context = browser.new_context(
+            color_scheme=MODES[mode]["scheme"],
+            viewport=MODES[mode]["viewport"],
+            service_workers="block",
+            java_script_enabled=javascript,
+        )
+        self.page = self.context.new_page()
+        page, problems = self.page, self.problems
+        page.on("request", lambda r: _allowed(r.url, mode) or problems.append(f"request: {r.url}"))
+        page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
+        page.on("pageerror", lambda e: problems.append(f"uncaught: {e}"))
+        page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
+        page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
+        if javascript:
+            page.wait_for_selector(".sdpa-widget.sdpa-widget-live", timeout=TIMEOUT_MS)
+
+    def widget(self, name: str):
+        return self.page.locator(f'.sdpa-widget[data-sdpa-widget="{name}"]')
+
+    def readout(self, name: str) -> str:
+        return self.widget(name).locator(".sdpa-widget-readout").inner_text()
+
+    def source(self, name: str, source: str) -> dict:
+        """The data of the Bokeh source ``source`` the widget's figure draws (NaN as None)."""
+        return self.widget(name).evaluate(
+            """(root, name) => {
+                const data = root.sdpaModel(name).data, out = {};
+                for (const k of Object.keys(data))
+                  out[k] = Array.from(data[k], x => (typeof x === "number" && isNaN(x)) ? null : x);
+                return out;
+            }""",
+            source,
+        )
+
+    def choose(self, name: str, control: str, value: str) -> None:
+        self.widget(name).locator(f'select[name="{control}"]').select_option(value)
+
+    def slide(self, name: str, control: str, key: str, times: int = 1) -> None:
+        """Move a slider with the keyboard: focus it, press ``key``."""
+        slider = self.widget(name).locator(f'input[type="range"][name="{control}"]')
+        slider.focus()
+        for _ in range(times):
+            self.page.keyboard.press(key)
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def _url(server: str, page: str, mode: str) -> str:
+    return f"{server}/{page}" if MODES[mode]["transport"] == "http" else (SITE / page).as_uri()
+
+
+@pytest.fixture(scope="module")
+def desktop(browser, server):
+    """Each widget page open on the desktop, over http (shared by the driving tests)."""
+    visits = {}
+    yield lambda page: visits.setdefault(
+        page, Visit(browser, _url(server, page, "desktop"), "desktop")
+    )
+    for visit in visits.values():
+        visit.close()
+
+
+def _numbers(text: str) -> list[float]:
+    return [
+        float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", "").replace("−", "-"))
+    ]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("page", list(WIDGET_PAGES))
+def test_widget_comes_alive_offline(browser, server, page, mode):
+    if not (SITE / page).exists():
+        pytest.fail(f"{page} is not in the built site")
+    visit = Visit(browser, _url(server, page, mode), mode)
+    try:
+        name = WIDGET_PAGES[page]
+        widget = visit.widget(name)
+        assert widget.count() == 1
+        assert widget.locator(".sdpa-widget-static").count() == 0  # the live figure replaced it
+        assert widget.locator(".sdpa-widget-readout").inner_text().strip()
+        assert widget.locator(".sdpa-widget-readout").get_attribute("aria-live") == "polite"
+        assert widget.locator("canvas").count() >= 1
+        # every control has a label and takes the keyboard focus
+        for control in widget.locator("[data-sdpa-control]").all():
+            ident = control.get_attribute("id")
+            assert widget.locator(f'label[for="{ident}"]').count() == 1
+            control.focus()
+            assert control.evaluate("c => document.activeElement === c")
+        # the arrow keys move a slider and change the readout
+        slider = widget.locator('input[type="range"]').first
+        if slider.count():
+            before, text = slider.input_value(), visit.readout(name)
+            slider.focus()
+            visit.page.keyboard.press(
+                "ArrowLeft" if before == slider.get_attribute("max") else "ArrowRight"
+            )
+            assert slider.input_value() != before and visit.readout(name) != text
+        contrast, where = widget.evaluate(CONTRAST_JS)
+        assert contrast >= MIN_CONTRAST, f"text contrast {contrast:.2f} at {where}"
+        if mode == "phone":
+            sizes = widget.evaluate(TEXT_SIZES_JS)
+            assert sizes and min(sizes) >= MIN_TEXT_PX, sorted(sizes)[:5]
+            width = visit.page.evaluate("document.documentElement.scrollWidth")
+            assert width <= MODES[mode]["viewport"]["width"], f"page scrolls sideways: {width}"
+        assert not visit.problems, visit.problems
+    finally:
+        visit.close()
+
+
+def test_without_javascript_the_static_picture_shows(browser, server):
+    visit = Visit(browser, _url(server, "llm/masking.html", "desktop"), "desktop", javascript=False)
+    try:
+        widget = visit.widget("masks")
+        picture = widget.locator("img.sdpa-widget-static")
+        assert picture.is_visible()
+        assert picture.evaluate("img => img.complete && img.naturalWidth > 0")
+        assert widget.locator(".sdpa-widget-controls").is_hidden()
+    finally:
+        visit.close()
+
+
+def test_softmax_widget_shows_the_package_softmax(desktop):
+    visit = desktop("formula/scaling.html")
+    spec = visit.widget("softmax").evaluate(
+        "root => JSON.parse(root.querySelector('script.sdpa-widget-data').textContent).data"
+    )
+    for dk, scaled, tau in [("64", "1", 1.0), ("1024", "0", 0.5), ("4", "1", 3.0)]:
+        visit.choose("softmax", "dk", dk)
+        visit.choose("softmax", "scale", scaled)
+        slider = visit.widget("softmax").locator('input[name="tau"]')
+        slider.focus()
+        visit.page.keyboard.press("Home")  # 0.1
+        visit.slide("softmax", "tau", "ArrowRight", round((tau - 0.1) / 0.1))
+        assert float(slider.input_value()) == pytest.approx(tau)
+        z = np.array(spec["scores"][dk]) * (1 / math.sqrt(int(dk)) if scaled == "1" else 1)
+        want = sdpa.softmax(z / tau)
+        shown = visit.source("softmax", "weights")["w"]
+        np.testing.assert_allclose(shown, want, rtol=1e-9, atol=1e-12)
+        numbers = _numbers(visit.readout("softmax").split("weights")[1])[: len(want)]
+        np.testing.assert_allclose(numbers, want, atol=6e-4)
+
+
+def test_mask_widget_shows_the_package_weights(desktop):
+    visit = desktop("llm/masking.html")
+    for kind, T, S in [
+        ("causal-tl", 8, 5),
+        ("causal-br", 8, 3),
+        ("window", 5, 8),
+        ("padding", 3, 8),
+        ("none", 5, 5),
+    ]:
+        visit.choose("masks", "kind", kind)
+        visit.choose("masks", "T", str(T))
+        visit.choose("masks", "S", str(S))
+        weights, allowed = mask_weights(kind, T, S)
+        shown = visit.source("masks", "weights")
+        got = np.full((T, S), np.nan)
+        for x, y, w in zip(shown["x"], shown["y"], shown["w"]):
+            got[y, x] = np.nan if w is None else w
+        np.testing.assert_array_equal(~np.isnan(got), allowed, err_msg=f"{kind} {T} {S}")
+        np.testing.assert_allclose(got[allowed], weights[allowed], atol=5e-5)
+        empty = int((~allowed.any(axis=1)).sum())
+        text = visit.readout("masks")
+        assert (f"{empty} quer" in text) == (empty > 0), text
+
+
+def test_flash_widget_steps_through_the_package_loop(desktop):
+    visit = desktop("cost/memory-efficient.html")
+    for mask in ("full", "causal"):
+        visit.choose("flash-loop", "mask", mask)
+        states = flash_states(is_causal=mask == "causal")
+        visit.slide("flash-loop", "step", "Home")
+        for n in range(1, len(states["tiles"]) + 1):
+            if n > 1:
+                visit.slide("flash-loop", "step", "ArrowRight")
+            step = states["steps"][n - 1]
+            shown = visit.source("flash-loop", "outputs")
+            want = [math.nan if o is None else o for o in step["out"]]
+            np.testing.assert_allclose([math.nan if o is None else o for o in shown["out"]], want)
+            text = visit.readout("flash-loop")
+            i0, j0 = states["tiles"][n - 1]
+            assert text.startswith(f"Tile {n} of {len(states['tiles'])}: queries {i0}–"), text
+            assert f"m = {step['m'][i0]:.3f}, l = {step['l'][i0]:.3f}" in text
+        # the last tile: the exact attention
+        exact = sdpa.scaled_dot_product_attention(*_flash_inputs(), is_causal=mask == "causal")[
+            :, 0
+        ]
+        np.testing.assert_allclose(visit.source("flash-loop", "outputs")["out"], exact, atol=2e-6)
+
+
+def _flash_inputs():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((8, 4)), rng.standard_normal((8, 4)), rng.standard_normal((8, 1))
+
+
+def test_rope_widget_score_depends_on_the_offset(desktop):
+    visit = desktop("modern/rope.html")
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal(8), rng.standard_normal(8)
+    assert np.allclose(rope_states()["scores"][0][0], q @ k / math.sqrt(8), atol=1e-6)
+    seen = {}
+    for i, j in [(0, 3), (4, 7), (9, 12), (12, 2), (15, 15)]:
+        visit.slide("rope", "i", "Home")
+        visit.slide("rope", "i", "ArrowRight", i)
+        visit.slide("rope", "j", "Home")
+        visit.slide("rope", "j", "ArrowRight", j)
+        rq = sdpa.apply_rotary_embedding(q[None], [i])[0]
+        rk = sdpa.apply_rotary_embedding(k[None], [j])[0]
+        want = rq @ rk / math.sqrt(8)
+        text = visit.readout("rope")
+        score = float(re.search(r"score (-?\d+\.\d+)", text).group(1))
+        assert score == pytest.approx(want, abs=6e-5), text
+        seen.setdefault(j - i, set()).add(round(score, 4))
+    assert len(seen[3]) == 1  # (0, 3), (4, 7), (9, 12): one score
+
+
+def test_lm_widget_shows_each_heads_map(desktop):
+    visit = desktop("lm/induction-heads.html")
+    maps = visit.widget("lm-attention").evaluate(
+        "root => JSON.parse(root.querySelector('script.sdpa-widget-data').textContent).data"
+    )
+    T, steps = maps["T"], maps["steps"]
+    last = str(len(steps) - 1)
+    shown_before = None
+    for step, layer, head, seq in [
+        (last, "0", "0", "0"), (last, "1", "2", "1"), (last, "1", "3", "2"), ("0", "1", "3", "2")
+    ]:  # fmt: skip
+        visit.choose("lm-attention", "step", step)
+        visit.choose("lm-attention", "layer", layer)
+        visit.choose("lm-attention", "head", head)
+        visit.choose("lm-attention", "seq", seq)
+        shown = visit.source("lm-attention", "weights")
+        got = np.full((T, T), np.nan)
+        for x, y, w in zip(shown["x"], shown["y"], shown["w"]):
+            got[y, x] = np.nan if w is None else w
+        causal = np.tril(np.ones((T, T), dtype=bool))
+        np.testing.assert_array_equal(~np.isnan(got), causal)
+        np.testing.assert_allclose(np.nansum(got, axis=1), 1, atol=T * 5e-4)
+        tri = maps["maps"][f"{step}/{layer}/{head}/{seq}"]
+        np.testing.assert_allclose(got[causal], np.concatenate(tri) / 1000)  # thousandths
+        assert shown_before is None or not np.array_equal(got[causal], shown_before)
+        shown_before = got[causal]
+        text = visit.readout("lm-attention")
+        assert text.startswith(f"Step {steps[int(step)]}, layer {layer}, head {head}:"), text
+        assert "score" in text
+    assert steps[0] == 0 and steps == sorted(steps)
+
+
+def test_kv_cache_calculator_matches_the_python_formula(desktop):
+    visit = desktop("modern/kv-cache.html")
+    settings = [
+        dict(layers=32, heads=32, groups="8", dh="128", latent="0", dtype="2", log2ctx=15, batch=1),
+        dict(layers=80, heads=64, groups="0", dh="128", latent="0", dtype="4", log2ctx=12, batch=8),
+        dict(
+            layers=61, heads=128, groups="1", dh="64", latent="512", dtype="1", log2ctx=17, batch=3
+        ),
+        dict(
+            layers=24, heads=12, groups="16", dh="256", latent="0", dtype="2", log2ctx=20, batch=2
+        ),
+    ]
+    widget = visit.widget("kv-cache")
+    for s in settings:
+        for name in ("groups", "dh", "latent", "dtype"):
+            visit.choose("kv-cache", name, s[name])
+        for name in ("layers", "heads", "log2ctx", "batch"):
+            slider = widget.locator(f'input[name="{name}"]')
+            low = int(slider.get_attribute("min"))
+            visit.slide("kv-cache", name, "Home")
+            visit.slide("kv-cache", name, "ArrowRight", s[name] - low)
+            assert int(slider.input_value()) == s[name]
+        groups = int(s["groups"])
+        kv_heads = s["heads"] if groups == 0 else min(groups, s["heads"])
+        want = kv_cache_bytes(
+            2 ** s["log2ctx"],
+            layers=s["layers"],
+            kv_heads=kv_heads,
+            head_dim=int(s["dh"]),
+            dtype_bytes=int(s["dtype"]),
+            batch=s["batch"],
+            latent=int(s["latent"]),
+            rope_dim=64 if int(s["latent"]) else 0,
+        )
+        text = visit.readout("kv-cache")
+        shown = int(re.search(r"([\d,]+) bytes =", text).group(1).replace(",", ""))
+        assert shown == want, text
+        point = visit.source("kv-cache", "point")
+        assert point["y"][0] == pytest.approx(want / 2**30, rel=1e-12)
+
+
+def test_bokehjs_is_served_by_the_site_to_the_widget_pages_only(site):  # noqa: F811
+    from importlib import metadata
+
+    name = f"bokeh/bokeh-{metadata.version('bokeh')}.min.js"
+    assert (SITE / "_static" / name).stat().st_size > 500_000
+    for page in WIDGET_PAGES:
+        html = (SITE / page).read_text(encoding="utf-8")
+        assert f'src="../_static/{name}' in html, page  # then ?v=checksum once it exists
+        assert "cdn.bokeh.org" not in html and "cdn.jsdelivr" not in html
+        # the page's own data: at most 300 KB beyond the library
+        start = html.index('<div class="sdpa-widget"')
+        assert html.index("</script></div>", start) - start < 300_000, page
+    assert "bokeh" not in (SITE / "index.html").read_text(encoding="utf-8")
