@@ -187,7 +187,9 @@ def test_the_book_and_the_benchmarks_import_only_public_names(path):
     private = []
     for module, name in sdpa_imports(path):
         exported = getattr(importlib.import_module(module), "__all__", None)
-        is_module = (PACKAGE / f"{name}.py").exists() if module == "sdpa" else False
+        is_module = module == "sdpa" and (
+            (PACKAGE / f"{name}.py").exists() or (PACKAGE / name / "__init__.py").exists()
+        )  # a module or a subpackage (sdpa.nn, sdpa.iomodel)
         if exported is not None and name not in exported and not is_module:
             private.append(f"from {module} import {name}")
     assert not private, f"{path.name} imports names outside __all__: {private}"

@@ -567,3 +567,18 @@ def test_causal_traffic_tends_to_half(algorithm, rng):
 def test_is_causal_must_be_a_bool(algorithm, bad, rng):
     with pytest.raises(TypeError, match=f"is_causal must be a bool; got {bad!r}"):
         algorithm(*qkv(rng, 4, 4, 2, 2), capacity=64, is_causal=bad)
+
+
+def test_the_public_names_are_imported_from_sdpa_iomodel():
+    # sdpa.iomodel is a package of three modules (the machine, the block sizes, the
+    # algorithms); its names stay importable from where they always were
+    import sdpa.iomodel as iomodel
+
+    assert sorted(iomodel.__all__) == sorted(
+        ["FastMemoryOverflow", "IOCount", "TwoLevelMemory", "flash_attention2_io",
+         "flash_attention_io", "flash_block_sizes", "textbook_attention_io", "textbook_block_size"]
+    )  # fmt: skip
+    assert iomodel.TwoLevelMemory is TwoLevelMemory
+    assert iomodel.flash_attention_io is flash_attention_io
+    for name in iomodel.__all__:
+        assert getattr(iomodel, name).__module__.startswith("sdpa.iomodel."), name

@@ -1,0 +1,200 @@
+"""Section "auto": ``implementation="auto"`` against the faster of the two paths.
+
+Many small heads, few large ones, batched heads and decoding (with grouped-query heads), each
+timed with ``implementation="auto"``, ``"reference"`` and ``"tiled"``; ``auto`` should be
+within 10 % of the faster of the two on every case.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+from bench_common import fmt_time, in_turn
+
+from sdpa import scaled_dot_product_attention
+
+
+def auto_cases(quick: bool) -> list[dict]:
+    """The grid on which ``implementation="auto"`` must pick (nearly) the faster path.
+
+    ``lead`` is the batch shape of q, k and v, ``n`` the number of keys S, ``t`` the number of
+    queries T (``n`` unless given), ``d`` the head width. Many small heads: the tiled path's
+    per-tile work in Python dominates; few large ones: the reference path's (T, S) matrices do;
+    batched heads sit in between. Decoding: one query (or a few, as speculative decoding and
+    chunked prefill have) against a long cache, at batch 1, with 8 to 64 heads; and with
+    grouped-query heads (``kv_heads`` key heads, each shared by ``lead[-1] / kv_heads`` query
+    heads, ``enable_gqa``).
+    """
+    grid = [
+        ("many small heads", (20000,), 4, 8, False),  # once 32 times slower on the tiled path
+        ("many small heads", (4096,), 16, 16, False),
+        ("many small heads", (1024,), 32, 32, True),
+        ("many small heads", (256,), 64, 16, False),
+        ("few large heads", (1,), 512, 64, False),
+        ("few large heads", (1,), 1024, 64, True),
+        ("few large heads", (1,), 2048, 64, False),
+        ("few large heads", (2,), 4096, 128, True),
+        ("batched heads", (4, 8), 128, 64, False),
+        ("batched heads", (4, 8), 256, 64, True),
+        ("batched heads", (8, 16), 128, 32, False),
+        ("batched heads", (2, 8), 512, 64, False),
+        ("batched heads", (32,), 256, 128, True),
+    ]
+    if quick:
+        grid = [g for g in grid if math.prod(g[1]) * g[2] ** 2 <= 2**22]
+    cases = [
+        dict(kind=k, lead=lead, t=n, n=n, d=d, causal=c, dtype="float32")
+        for k, lead, n, d, c in grid
+    ]
+    decoding = [
+        (1, 8, 1, 512),
+        (1, 8, 1, 4096),
+        (1, 8, 1, 16384),
+        (1, 64, 1, 512),
+        (1, 64, 1, 4096),
+        (1, 64, 1, 16384),
+        (1, 8, 4, 4096),
+        (1, 64, 4, 4096),
+        (1, 8, 16, 512),
+        (1, 8, 16, 16384),
+        (1, 64, 16, 512),
+        (1, 64, 16, 4096),
+        (1, 64, 16, 16384),
+    ]
+    if quick:
+        decoding = [c for c in decoding if c[1] * c[3] <= 2**16]
+    cases += [
+        dict(kind="decoding", lead=(b, h), t=t, n=s, d=64, causal=False, dtype="float32")
+        for b, h, t, s in decoding
+    ]
+    # Grouped-query decoding (issue 34), the commonest serving call: 32 or 64 query heads over
+    # 8 key heads (enable_gqa), a token or a few against the cache.
+    grouped = [(h, t, s) for h in (32, 64) for t in (1, 2, 4, 8) for s in (512, 2048, 4096, 16384)]
+    if quick:
+        grouped = [c for c in grouped if c[0] * c[1] * c[2] <= 2**17]
+    cases += [
+        dict(
+            kind="GQA decoding",
+            lead=(1, h),
+            kv_heads=8,
+            t=t,
+            n=s,
+            d=64,
+            causal=False,
+            dtype="float32",
+        )
+        for h, t, s in grouped
+    ]
+    return cases
+
+
+def run_auto_case(case, idle, rounds=7) -> dict:
+    """Time the three implementations interleaved; which path auto takes; auto / faster.
+
+    Times are the best of the rounds, the estimate least disturbed by other processes on a
+    shared machine (the question is which path is faster, not how fast either is on average).
+    At least ``rounds``; a case whose faster path takes under 50 ms gets up to three times as
+    many (a millisecond call's best of 7 still moved by 10 % between runs, auto against the
+    same path it takes).
+    """
+    from sdpa.cost_model import worth_tiling
+    from sdpa.problem import prepare_attention
+
+    rng = np.random.default_rng(case["n"] * case["d"] + case["t"])
+    gqa = case.get("kv_heads") is not None  # k and v with kv_heads heads, shared by groups
+    kv_lead = (*case["lead"][:-1], case["kv_heads"]) if gqa else case["lead"]
+    q, k, v = (
+        rng.standard_normal((*lead, n, case["d"])).astype(case["dtype"])
+        for lead, n in ((case["lead"], case["t"]), (kv_lead, case["n"]), (kv_lead, case["n"]))
+    )
+    impls = {
+        name: (
+            lambda name=name: scaled_dot_product_attention(
+                q, k, v, is_causal=case["causal"], enable_gqa=gqa, implementation=name
+            )
+        )
+        for name in ("auto", "reference", "tiled")
+    }
+    times = {name: [] for name in impls}
+    warm = {}
+    for name, f in impls.items():  # warm-up, and the time per call
+        start = time.perf_counter()
+        f()
+        warm[name] = time.perf_counter() - start
+    fastest_call = min(warm["reference"], warm["tiled"])
+    rounds = max(rounds, min(3 * rounds, math.ceil(0.05 / max(fastest_call, 1e-6)) * rounds))
+    for i in range(rounds):
+        for name, f in in_turn(impls, i):
+            time.sleep(idle)
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    result = dict(case, lead=list(case["lead"]))
+    result["time"] = {name: min(t) for name, t in times.items()}
+    result["median"] = {name: statistics.median(t) for name, t in times.items()}
+    chosen = worth_tiling(prepare_attention(q, k, v, None, case["causal"], enable_gqa=gqa))
+    result["auto takes"] = "tiled" if chosen else "reference"
+    fastest = min(result["time"]["reference"], result["time"]["tiled"])
+    result["auto/faster"] = result["time"]["auto"] / fastest
+    result["chosen/faster"] = result["time"][result["auto takes"]] / fastest
+    return result
+
+
+def lead_text(case) -> str:
+    """The lead of q, and with grouped-query heads the key heads: ``(1, 32 over 8)``."""
+    lead = tuple(case["lead"])
+    if case.get("kv_heads") is None:
+        return str(lead)
+    return f"({', '.join(map(str, lead[:-1]))}, {lead[-1]} over {case['kv_heads']})"
+
+
+def auto_lines(auto) -> list[str]:
+    """implementation="auto" against the faster path, case by case."""
+    lines = []
+    worst = max(r["auto/faster"] for r in auto)
+    lines += [
+        "",
+        '## `implementation="auto"` against the faster path',
+        "",
+        "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d) (GQA: H over Hkv "
+        "heads, enable_gqa); best of 7 to 21 "
+        'interleaved rounds (more for quick cases). "chosen/faster" compares the path auto takes with the faster one '
+        'in the same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
+        "",
+        "| case | lead | T | S | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in auto:
+        t = r["time"]
+        lines.append(
+            f"| {r['kind']} | {lead_text(r)} | {r.get('t', r['n'])} | {r['n']} | {r['d']} | "
+            f"{'yes' if r['causal'] else 'no'} | {fmt_time(t['reference'])} | "
+            f"{fmt_time(t['tiled'])} | {fmt_time(t['auto'])} | {r['auto takes']} | "
+            f"{r['chosen/faster']:.2f} | {r['auto/faster']:.2f} |"
+        )
+    lines += ["", f"- worst auto/faster: {worst:.2f} (target: at most 1.10)"]
+    return lines
+
+
+def run(args, torch, baseline, report) -> None:
+    """The section, into ``report["auto"]`` (torch and the baseline take no part)."""
+    report["auto"] = []
+    for case in auto_cases(args.quick):
+        r = run_auto_case(case, args.idle)
+        report["auto"].append(r)
+        t = r["time"]
+        print(
+            f"auto grid {case['kind']:16} {lead_text(case):15} T={case['t']:5} S={case['n']:5} "
+            f"d={case['d']:3} causal={case['causal']!s:5}: reference "
+            f"{fmt_time(t['reference'])}, tiled {fmt_time(t['tiled'])}, auto "
+            f"{fmt_time(t['auto'])} ({r['auto takes']}), auto/faster {r['auto/faster']:.2f}",
+            flush=True,
+        )
+
+
+def lines(report) -> list[str]:
+    """The section's Markdown (nothing if it did not run)."""
+    return auto_lines(report["auto"]) if report.get("auto") else []
