@@ -25,8 +25,8 @@ PACKAGE = ROOT / "src" / "sdpa"
 LAYERS = [
     {"_checks", "softmax_stable", "masks", "block_mask", "examples", "plotting"},
     {"problem"},
-    {"threads", "tuning", "tiled", "cost_model", "blocked", "iomodel"},
-    {"attention", "flex"},
+    {"threads", "tuning", "tiles", "tiled", "cost_model", "blocked", "iomodel"},
+    {"attention", "flex_call", "flex"},
     {"backward", "softmax_grad", "finite_diff"},
     {"rope", "alibi", "kvcache", "paged_kvcache", "linear", "merge"},
     {"multihead", "positional"},

@@ -14,34 +14,29 @@ expression modifies a whole block of them at once.
 
 Two paths give the same result to rounding. The **reference** path is the formula as written:
 the whole ``(B, Hq, T, S)`` score matrix, ``score_mod`` on all of it, the mask, a softmax. The
-**tiled** path works on one block of query rows at a time (the mask's query block; when the
-mask does not depend on the head, of the query heads that share a key head, and of several key
-heads at once, as many as ``UNIT_SCORES`` and ``MIN_UNITS`` allow):
+**tiled** path is a face over the engine of :mod:`sdpa.tiles`, which the tiled path of
+:func:`sdpa.scaled_dot_product_attention` runs on too. Each unit is one block of query rows (the
+mask's query block; when the mask does not depend on the head, of the query heads that share a
+key head, and of several key heads at once, as many as ``sdpa.tuning.UNIT_SCORES`` and
+``MIN_UNITS`` allow):
 
 1. gather the key blocks the block mask marks non-empty, skipping the empty ones entirely:
    no product, no ``score_mod``, no ``mask_mod`` on their entries;
 2. one product for the gathered full blocks and one for the gathered *partial* ones (each in
    pieces of at most ``block_k`` keys), so that every tile is contiguous;
-3. ``score_mod`` on those scores, ``mask_mod`` on the tiles of partial blocks only (a full
-   block needs no mask);
-4. an online softmax (running maximum ``m`` and normaliser ``l``, as in :mod:`sdpa.tiled`)
-   across the pieces, the full ones first.
+3. ``score_mod`` on those scores; the partial pieces' masks, from ``mask_mod`` (evaluated once
+   per block mask and kept beside it), zero their disallowed terms;
+4. the engine's online softmax across the pieces, the full ones first: a unit whose first
+   piece is full starts at the shift 0, later pieces take the lazy step, each checked by its
+   row sums and computed again by the exact step in the rare case that fails.
 
 Without a ``score_mod`` the scores are computed in base 2 where ``exp2`` is the faster
-exponential (:func:`sdpa.tuning.tile_exponential`), as the tiled path of
-:func:`sdpa.scaled_dot_product_attention` does, and the online softmax takes the lazy steps of
-:mod:`sdpa.tiled`: a unit's first piece of full blocks at the shift 0, later pieces at the
-shift they find, each checked by its row sums and computed again in the rare case that fails.
-Units whose rows of the block mask are equal (every head of a mask created with ``H=None``)
-share one plan: the layout of their gathered keys and the ``mask_mod`` of their partial
-blocks, evaluated once and kept beside the block mask for its later calls. Values near the
-ends of the dtype's range are found in the result, as in :mod:`sdpa.tiled`, and the call
-computed again on values scaled by a power of two per column.
-
-Work units are shared among threads (:func:`sdpa.threads.run_in_threads`, BLAS on one
-thread); each unit's result depends on its inputs alone, so the bits do not depend on the
-number of threads. :func:`flex_attention_tiled` runs this path with its tunables and counts
-what it did in a :class:`FlexStats`.
+exponential (:func:`sdpa.tuning.tile_exponential`). Without a block mask the units and pieces
+are the dense path's (a long block of rows, keys in tiles of ``sdpa.tuning.BLOCK_K``), so both
+APIs take the same time there. Values near the ends of the dtype's range are found in the
+result and the call computed again on values scaled by a power of two per column.
+:func:`flex_attention_tiled` runs this path with its tunables and counts what it did in a
+:class:`FlexStats`; the bits do not depend on the number of threads.
 
 Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``G = Hq // Hkv``,
 ``T`` queries, ``S`` keys, ``Dk``/``Dv`` head widths, ``Bq``/``Bk`` block sizes.
@@ -69,11 +64,12 @@ from .flex_call import (
 from .problem import check_overflow, overflow_checked
 from .softmax_stable import softmax_and_lse
 from .threads import default_num_threads
+from .tiles.band import unmasked_rows
 from .tiles.blocks import Piece, PlanCache, RowPlan, mask_row, plans_beside, row_plan, unit_list
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
-from .tuning import PIECE_KEYS, PLAN_CACHE_BYTES, UNIT_ROWS, tile_exponential
+from .tuning import BLOCK_K, PIECE_KEYS, PLAN_CACHE_BYTES, tile_exponential
 
 __all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
 
@@ -218,15 +214,16 @@ class _Tiling:
         return Workspace(rows, keys, self.call.problem.Dv, self.call.dtype)
 
 
-def _blocks(call: FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
-    """``(kinds, block_q, block_kv)``: the block mask's, or without one every key block full
-    and one block of rows (of the heads that share a key head) per unit."""
+def _blocks(call: FlexCall, block_k: int | None, num_threads=None) -> tuple[np.ndarray, int, int]:
+    """``(kinds, block_q, block_kv)``: the block mask's, or without one every key block full,
+    in the dense path's units and tiles (:func:`sdpa.tiles.band.unmasked_rows`, ``BLOCK_K``)."""
     bm = call.block_mask
     if bm is not None:
         return bm.kinds, *bm.BLOCK_SIZE
     T, S = call.problem.T, call.problem.S
-    block_q = max(1, UNIT_ROWS // call.G)
-    block_kv = min(block_k, S)
+    rows = unmasked_rows(call.dtype, T, call.G, call.B * call.Hkv, num_threads)
+    block_q = max(1, rows // call.G)
+    block_kv = min(_piece_keys(call, block_k), S)
     return (
         np.full((1, 1, -(-T // block_q), -(-S // block_kv)), FULL, dtype=np.int8),
         block_q,
@@ -234,9 +231,18 @@ def _blocks(call: FlexCall, block_k: int) -> tuple[np.ndarray, int, int]:
     )
 
 
-def _tiling(call: FlexCall, block_k: int, v_exp: np.ndarray | None = None) -> _Tiling:
+def _piece_keys(call: FlexCall, block_k: int | None) -> int:
+    """Keys per piece: ``block_k`` if given, else ``PIECE_KEYS`` with a block mask (its blocks
+    gathered) and the dense path's ``BLOCK_K`` without one (the same units, the same speed)."""
+    if block_k is not None:
+        return block_k
+    return PIECE_KEYS if call.block_mask is not None else BLOCK_K.get(call.dtype, 512)
+
+
+def _tiling(call: FlexCall, block_k, num_threads, v_exp: np.ndarray | None = None) -> _Tiling:
     problem, bm = call.problem, call.block_mask
-    kinds, block_q, block_kv = _blocks(call, block_k)
+    kinds, block_q, block_kv = _blocks(call, block_k, num_threads)
+    block_k = _piece_keys(call, block_k)
     # Scores in base 2 where exp2 is the faster (the scale times log2(e): 2 ** x is e ** score),
     # unless a score_mod must see them in natural units or a score may overflow.
     exp = tile_exponential(call.dtype)
@@ -397,15 +403,17 @@ def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> n
     return column_top(workers)
 
 
-def _flex_tiled(call: FlexCall, block_k: int, num_threads, stats) -> tuple[np.ndarray, np.ndarray]:
+def _flex_tiled(
+    call: FlexCall, block_k: int | None, num_threads, stats
+) -> tuple[np.ndarray, np.ndarray]:
     """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time;
     values near the ends of the range as :mod:`sdpa.tiles.ranges` finds them."""
-    tiling = _tiling(call, block_k)
+    tiling = _tiling(call, block_k, num_threads)
     top = _run(tiling, num_threads, stats)
     if values_may_be_out_of_range(top):
         v_exp = value_exponents(call.value, call.problem.S)
         if v_exp is not None:
-            tiling = _tiling(call, block_k, v_exp)
+            tiling = _tiling(call, block_k, num_threads, v_exp)
             _run(tiling, num_threads, stats)
     T = call.problem.T
     out = tiling.out.reshape(call.B, call.Hq, T, call.problem.Dv)
@@ -416,7 +424,7 @@ def _worth_tiling(call: FlexCall) -> bool:
     """The rule of ``implementation="auto"``, from the shapes as the tiled path cuts the work
     (:func:`sdpa.cost_model.flex_worth_tiling`)."""
     shape = (call.B, call.Hkv, call.G, call.problem.T, call.problem.S)
-    return flex_worth_tiling(shape, *_blocks(call, PIECE_KEYS), call.dtype.itemsize)
+    return flex_worth_tiling(shape, *_blocks(call, None), call.dtype.itemsize)
 
 
 # ----------------------------------------------------------------------------------------
@@ -576,7 +584,7 @@ def flex_attention(
     if is_empty(call):
         out, lse = empty_result(call)
     elif implementation == "tiled" or (implementation == "auto" and _worth_tiling(call)):
-        out, lse = _flex_tiled(call, PIECE_KEYS, None, None)
+        out, lse = _flex_tiled(call, None, None, None)
     else:
         out, lse = _flex_reference(call)
     return finish(call, out, lse, return_lse)
@@ -605,7 +613,9 @@ def flex_attention_tiled(
     block_k : int, optional
         Keys per product: a block of query rows' non-empty key blocks are gathered and cut
         into pieces of at most this many keys (whole blocks, one at least), with an online
-        softmax across the pieces. Default ``BLOCK_K`` (4096).
+        softmax across the pieces. Default: ``sdpa.tuning.PIECE_KEYS`` (4096) with a block
+        mask; without one, the keys are cut as :func:`sdpa.scaled_dot_product_attention`'s
+        tiled path cuts them (``sdpa.tuning.BLOCK_K``), in units of as many query rows.
     num_threads : int, optional
         Worker threads; default :func:`sdpa.threads.default_num_threads`. The result is the
         same, bit for bit, for every thread count.
@@ -643,7 +653,8 @@ def flex_attention_tiled(
     True
     """
     return_lse = check_bool(return_lse, "return_lse")
-    block_k = PIECE_KEYS if block_k is None else check_positive_int(block_k, "block_k")
+    if block_k is not None:
+        block_k = check_positive_int(block_k, "block_k")
     if num_threads is not None:
         num_threads = check_positive_int(num_threads, "num_threads")
     if stats is not None and not isinstance(stats, FlexStats):

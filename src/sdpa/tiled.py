@@ -17,8 +17,11 @@ the end like one more block: ``l = alpha l + exp(s - m_new)`` with ``m_new = max
 The result equals the formula up to rounding, and the extra memory is a few tiles per worker
 thread instead of ``T * S`` numbers per head.
 
-What matters for speed on a CPU, where every NumPy call is a full pass over a tile (the
-tunables are in :mod:`sdpa.tuning`, each with the measurement that chose it):
+This module is the dense face of the engine in :mod:`sdpa.tiles` (which the tiled path of
+:func:`sdpa.flex_attention` runs on too): its plan of units and tiles against the
+causal/window band, the boolean mask, the float bias and the sinks. What matters for speed on
+a CPU, where every NumPy call is a full pass over a tile (the tunables are in
+:mod:`sdpa.tuning`, each with the measurement that chose it):
 
 * the shift ``m`` is moved lazily: a row keeps its shift while no term ``exp(score - m)`` can
   exceed ``exp(LAZY_MARGIN)``, which the tile's row sums prove. Then nothing overflows, so the

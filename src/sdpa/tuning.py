@@ -34,7 +34,6 @@ __all__ = [
     "PLAN_CACHE_BYTES",
     "RENORMALISE_LSE",
     "RENORMALISE_RMS",
-    "UNIT_ROWS",
     "UNIT_SCORES",
     "VALUE_FLOOR_BITS",
     "svml_exp2",
@@ -61,16 +60,13 @@ BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
 
 # -- the units and pieces of flex's tiled path (sdpa.flex, sdpa.tiles.blocks) --------------
 
-#: Query rows of a flex unit without a block mask (the folded heads count as rows): the
-#: default block of :func:`sdpa.create_block_mask`.
-UNIT_ROWS = 128
-
 # A row of query blocks' gathered key blocks are cut into pieces of at most this many keys. A
 # (128, 4096) float32 tile of scores is 2 MiB. At T = S = 4096, 8 heads of width 64 in float32
 # on one core of the benchmark machine (2-core Xeon, Sapphire Rapids; best of 5), 4096 took
 # 0.98 to 0.99 of the CPU time of 2048 and 0.86 to 0.87 of 512, with a causal block mask and
 # without a mask.
-#: Keys per piece of flex's tiled path (whole blocks of the mask, one at least).
+#: Keys per piece of flex's tiled path with a block mask (whole blocks of it, one at least;
+#: without a mask flex cuts the keys as the dense path does, into ``BLOCK_K``).
 PIECE_KEYS = 4096
 
 # A unit takes the same query block of several key heads when the mask does not depend on the

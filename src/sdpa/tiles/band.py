@@ -2,9 +2,9 @@
 
 :mod:`sdpa.tiled` cuts a head's ``(T, S)`` scores into tiles of ``Bq`` query rows and ``Bk``
 keys. Against the band (``lo <= j - (i + offset) <= hi``, either limit optional, see
-:func:`sdpa.masks.band_limits`) a tile is *empty* (never computed), *full* (computed, no mask)
+``band_limits()``) a tile is *empty* (never computed), *full* (computed, no mask)
 or *partial* (the band's edge crosses it: computed, then masked), as a block mask's blocks are
-(:data:`sdpa.block_mask.EMPTY`, ``FULL``, ``PARTIAL``). The rows of the band are intervals that
+(``EMPTY``, ``FULL``, ``PARTIAL``). The rows of the band are intervals that
 shift by one key per query and never cross, so the keys a block of queries may attend form one
 interval, and the rows a key range reaches one run of rows.
 
@@ -117,11 +117,19 @@ def tile_plan_sizes(
         rows = BLOCK_ROWS.get(problem.work_dtype, 128)
         if problem.band == (None, None):
             outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // G
-            blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
-            rows_per_block = G * -(-problem.T // blocks)  # the rows, split into `blocks`
-            rows = max(rows, min(BLOCK_ROWS_FULL.get(problem.work_dtype, rows), rows_per_block))
+            rows = unmasked_rows(problem.work_dtype, problem.T, G, outer, num_threads)
         block_q = max(1, rows // G)
     if block_k is None:
         block_k = BLOCK_K.get(problem.work_dtype, 512)
     # Never larger than the problem: the workers' buffers are sized by the tiles.
     return G, int(min(block_q, max(problem.T, 1))), int(min(block_k, max(problem.S, 1)))
+
+
+def unmasked_rows(dtype: np.dtype, T: int, G: int, outer: int, num_threads: int | None) -> int:
+    """Query rows of a unit (the ``G`` folded heads' rows counted) when no mask limits the keys:
+    up to ``BLOCK_ROWS_FULL`` (longer tiles cost less per score), at least ``BLOCK_ROWS``, and
+    fewer when the ``outer`` units of whole heads would leave a thread without one."""
+    rows = BLOCK_ROWS.get(dtype, 128)
+    blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
+    rows_per_block = G * -(-T // blocks)  # the rows, split into `blocks`
+    return max(rows, min(BLOCK_ROWS_FULL.get(dtype, rows), rows_per_block))

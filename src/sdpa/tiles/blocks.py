@@ -1,8 +1,8 @@
 """The flex face's plan: a block mask's rows cut into pieces, the units, and the plan cache.
 
 A block mask (:class:`sdpa.BlockMask`) says what each block of ``(Bq, Bk)`` scores holds:
-empty, full or partial (:data:`sdpa.block_mask.EMPTY`, ``FULL``, ``PARTIAL``). The units of
-a row of query blocks skip the empty blocks entirely; the plan of a row (:class:`RowPlan`)
+empty, full or partial (``EMPTY``, ``FULL``, ``PARTIAL``). The units of
+a row of query blocks skip the empty blocks entirely; the plan of a row (``RowPlan``)
 gathers its full blocks into pieces and its partial blocks into other pieces, each of at most
 ``block_k`` keys (whole blocks, one at least), with the mask of each partial piece evaluated
 once. Full and partial blocks go into separate pieces so that every operation on a piece's
@@ -11,7 +11,7 @@ strided view, on which NumPy copied through buffers: at T = S = 4096, 8 heads of
 float32, one thread, 2-core Xeon, the causal call spent 4 % of its time in those copies).
 
 Units whose rows of the block mask are equal (every head of a mask created with ``H=None``)
-share one plan, kept beside the block mask for its later calls (:func:`plans_beside`).
+share one plan, kept beside the block mask for its later calls (``plans_beside()``).
 
 Shape letters: ``B`` batch, ``Hkv`` key heads, ``G`` query heads per key head, ``Bq``/``Bk``
 block sizes.

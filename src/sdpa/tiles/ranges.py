@@ -6,10 +6,10 @@ where the reference path's largest is at least ``1 / S``. So values within a fac
 ``4 S LAZY_BOUND`` of the dtype's largest number may overflow the accumulator, and values
 within ``2 ** VALUE_FLOOR_BITS`` of its smallest normal number may lose digits to subnormal
 numbers. Neither is paid for on ordinary inputs: each worker records the largest ``|out|`` of
-each value column (:func:`widen_column_top`); only when that shows an overflow or a column near
-the smallest normal numbers (:func:`values_may_be_out_of_range`) are the values themselves
-read (:func:`value_exponents`), and the call computed again on values scaled by a power of two
-per column, which is exact, as is undoing it (:func:`restore_scale`).
+each value column (``widen_column_top()``); only when that shows an overflow or a column near
+the smallest normal numbers (``values_may_be_out_of_range()``) are the values themselves
+read (``value_exponents()``), and the call computed again on values scaled by a power of two
+per column, which is exact, as is undoing it (``restore_scale()``).
 """
 
 from __future__ import annotations

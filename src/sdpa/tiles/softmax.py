@@ -7,7 +7,7 @@ A unit adds its keys piece by piece, keeping three running quantities per query 
 * ``l``, the sum of ``exp(score - m)`` over the keys seen so far;
 * ``acc``, the sum of ``exp(score - m) * v`` over the keys seen so far.
 
-The steps (:class:`OnlineSoftmax`):
+The steps (``OnlineSoftmax``):
 
 **start**
     Every row starts at ``m = 0`` ("at zero": the first piece then needs no row maximum), or
@@ -30,12 +30,12 @@ The steps (:class:`OnlineSoftmax`):
 
 A row that starts at zero must end with ``l >= LAZY_FLOOR``: its scores all lying more than
 ``LAZY_MARGIN`` below zero would lose digits to underflow. The face checks
-(:meth:`OnlineSoftmax.sums_hold`) and starts the unit again without the shift 0.
+(``sums_hold()``) and starts the unit again without the shift 0.
 
 Scores may be in base 2 (``base2``): the query's scale times ``log2(e)``, so that the
 exponential is ``exp2`` (the faster one where NumPy computes it with SVML, see
 :func:`sdpa.tuning.tile_exponential`); ``m`` is then in units of ``ln 2`` and converted back
-by :meth:`OnlineSoftmax.finish`.
+by ``finish()``.
 """
 
 from __future__ import annotations

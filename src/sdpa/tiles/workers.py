@@ -1,6 +1,6 @@
 """The worker threads of a tiled call: sharing its units out, one failure policy, counters.
 
-A call lists its units; :func:`run_units` starts up to ``num_threads`` workers (threads
+A call lists its units; ``run_units()`` starts up to ``num_threads`` workers (threads
 started for the call, :func:`sdpa.threads.run_in_threads`), each taking the next unit from the
 shared list until none is left. NumPy releases the GIL inside matrix products and ufunc loops,
 so the threads run in parallel; BLAS is held to one thread, since its own threading
