@@ -294,3 +294,17 @@ def test_no_function_is_too_complex():
         [*ruff, *(str(p) for p in CODE_FILES)], capture_output=True, text=True, cwd=ROOT
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- rooms that fit ----------------------------------------------------------------------------
+
+#: The most lines a module of the package may hold: one job per module, read in one sitting.
+MODULE_LINES = 800
+
+
+@pytest.mark.parametrize(
+    "path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE))
+)
+def test_every_module_fits_its_room(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MODULE_LINES, f"{path.relative_to(ROOT)} has {lines} lines: split it by job"
