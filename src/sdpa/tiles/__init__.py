@@ -12,10 +12,12 @@ throughout the package:
     unit computes depends on its inputs alone, so the bits of a result do not depend on the
     number of threads or on which thread took which unit (:mod:`sdpa.tiles.workers`).
 **fold**
-    Heads folded into one unit's rows: the query heads that share a key/value head (grouped
-    queries, or a batch axis along which the keys and values do not vary), and under flex
-    several key heads at once when the mask does not depend on the head. A folded unit loads
-    each key tile once for all of its rows.
+    To put into one matrix product what would otherwise take several: heads folded into one
+    unit's rows (the query heads that share a key/value head, whether grouped queries or a
+    batch axis along which the keys and values do not vary, and under flex several key heads
+    at once when the mask does not depend on the head), so that each key tile is loaded once
+    for all of them; and in the dense face a row's shift folded into the product as one more
+    column, ``[q | -m] @ [k | 1]``, so that no pass subtracts it.
 **piece**
     The keys of one step of a unit's walk: one matrix product of the unit's queries with
     them, one exponential, one product with their values. A piece is *full* (every score of
