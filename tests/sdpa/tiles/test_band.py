@@ -1,0 +1,174 @@
+"""The dense face's band geometry (sdpa.tiles.band) against brute force on a small boolean band.
+
+The band is written here from its definition, query ``i`` may attend key ``j`` when
+``lo <= j - (i + offset) <= hi`` (either limit None: unbounded), as a ``(T, S)`` matrix; every
+function is then checked on every tile it is asked about, over random ``T``, ``S``, offsets
+and limits (Hypothesis).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpa.block_mask import EMPTY, FULL, PARTIAL
+from sdpa.problem import prepare_attention
+from sdpa.tiles.band import (
+    BandTiles,
+    band_keys,
+    fold_axis,
+    key_block_range,
+    rows_meeting,
+    tile_kind,
+    tile_plan_sizes,
+)
+from sdpa.tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL
+
+
+def band(T, S, offset, lo, hi):
+    """``(T, S)`` bool, True = may attend, one entry at a time."""
+    allowed = np.zeros((T, S), dtype=bool)
+    for i in range(T):
+        for j in range(S):
+            d = j - (i + offset)
+            allowed[i, j] = (lo is None or d >= lo) and (hi is None or d <= hi)
+    return allowed
+
+
+def run_of(flags):
+    """``(first, stop)`` of the True entries of ``flags``, checked to be one run; None if none."""
+    where = np.flatnonzero(flags)
+    if where.size == 0:
+        return None
+    first, stop = int(where[0]), int(where[-1]) + 1
+    assert where.size == stop - first, f"not one run: {where}"
+    return first, stop
+
+
+@st.composite
+def geometry(draw):
+    T, S = draw(st.integers(1, 11)), draw(st.integers(1, 13))
+    offset = draw(st.integers(-6, 6))
+    lo = draw(st.none() | st.integers(-7, 4))
+    hi = draw(st.none() | st.integers(-4 if lo is None else lo, 7))  # lo <= hi
+    t0 = draw(st.integers(0, T - 1))
+    t1 = draw(st.integers(t0 + 1, T))
+    s0 = draw(st.integers(0, S - 1))
+    s1 = draw(st.integers(s0 + 1, S))
+    return T, S, offset, lo, hi, (t0, t1, s0, s1)
+
+
+SETTINGS = settings(max_examples=300, deadline=None)
+
+
+@SETTINGS
+@given(g=geometry())
+def test_tile_kind(g):
+    T, S, offset, lo, hi, (t0, t1, s0, s1) = g
+    tile = band(T, S, offset, lo, hi)[t0:t1, s0:s1]
+    want = FULL if tile.all() else EMPTY if not tile.any() else PARTIAL
+    assert tile_kind(t0, t1, s0, s1, offset, lo, hi) == want
+
+
+@SETTINGS
+@given(g=geometry())
+def test_band_keys_are_the_keys_some_query_may_attend(g):
+    T, S, offset, lo, hi, (t0, t1, _, _) = g
+    keys = run_of(band(T, S, offset, lo, hi)[t0:t1].any(axis=0))
+    start, stop = band_keys(t0, t1, S, offset, lo, hi)
+    if keys is None:
+        assert start == stop
+    else:
+        assert (start, stop) == keys
+
+
+@SETTINGS
+@given(g=geometry(), block_k=st.integers(1, 6))
+def test_key_block_range_is_the_blocks_holding_an_allowed_key(g, block_k):
+    T, S, offset, lo, hi, (t0, t1, _, _) = g
+    allowed = band(T, S, offset, lo, hi)[t0:t1].any(axis=0)
+    n_blocks = -(-S // block_k)
+    blocks = [allowed[b * block_k : (b + 1) * block_k].any() for b in range(n_blocks)]
+    want = run_of(blocks)
+    first, stop = key_block_range(t0, t1, S, block_k, offset, lo, hi)
+    assert (first, stop) == (want if want is not None else (0, 0))
+
+
+@SETTINGS
+@given(g=geometry())
+def test_rows_meeting_are_the_rows_with_an_allowed_key_of_the_tile(g):
+    T, S, offset, lo, hi, (t0, t1, s0, s1) = g
+    rows = band(T, S, offset, lo, hi)[t0:t1, s0:s1].any(axis=1)
+    got = rows_meeting(t0, t1, s0, s1, offset, lo, hi)
+    np.testing.assert_array_equal(np.arange(t1 - t0)[got], np.flatnonzero(rows))
+    run_of(rows)  # one run, as the docstring says
+
+
+@SETTINGS
+@given(g=geometry())
+def test_band_tiles_give_the_band_s_mask(g):
+    T, S, offset, lo, hi, (t0, t1, s0, s1) = g
+    tiles = BandTiles(offset, lo, hi)
+    got = tiles.disallowed(t0, t1, s0, s1)
+    assert got.dtype == bool
+    np.testing.assert_array_equal(got, ~band(T, S, offset, lo, hi)[t0:t1, s0:s1])
+
+
+def test_band_tiles_cache_returns_equal_tiles_for_one_geometry():
+    # Causal with offset 1: tiles at the same distance from the diagonal are the same mask.
+    T, S, offset, lo, hi = 12, 14, 1, None, 0
+    allowed = band(T, S, offset, lo, hi)
+    tiles = BandTiles(offset, lo, hi)
+    first = tiles.disallowed(2, 5, 3, 7)
+    again = tiles.disallowed(6, 9, 7, 11)  # shifted by 4 along the diagonal: the cached tile
+    assert again is first
+    np.testing.assert_array_equal(again, ~allowed[6:9, 7:11])
+    np.testing.assert_array_equal(first, ~allowed[2:5, 3:7])
+    other = tiles.disallowed(2, 5, 4, 8)  # one key further: another tile
+    np.testing.assert_array_equal(other, ~allowed[2:5, 4:8])
+    assert not np.array_equal(other, first)
+
+
+def test_band_tiles_stay_right_after_the_cache_starts_over():
+    T, S, offset, lo, hi = 40, 40, 0, -3, 2
+    allowed = band(T, S, offset, lo, hi)
+    tiles = BandTiles(offset, lo, hi)
+    for t0 in range(0, 30, 3):
+        for s0 in range(0, 30, 2):
+            for size in (1, 4):  # well over 64 geometries
+                got = tiles.disallowed(t0, t0 + size, s0, s0 + 5)
+                np.testing.assert_array_equal(got, ~allowed[t0 : t0 + size, s0 : s0 + 5])
+
+
+def problem(hq, hkv, T=5, S=7, *, batch=True, dtype=np.float64, **kw):
+    """A validated call with query heads ``hq`` over ``hkv`` key heads (enable_gqa)."""
+    lead = (2, hq) if batch else ()
+    q = np.ones((*lead, T, 3), dtype)
+    kv = np.ones(((2, hkv) if batch else ()) + (S, 3), dtype)
+    return prepare_attention(q, kv, kv, enable_gqa=batch, **kw)
+
+
+def test_fold_axis_folds_query_heads_that_share_their_keys():
+    assert fold_axis(problem(8, 2))  # 4 query heads per key head share one key tile
+    assert not fold_axis(problem(3, 3))  # each head its own keys
+    assert not fold_axis(problem(1, 1))  # nothing to fold
+    assert not fold_axis(problem(1, 1, batch=False))  # no batch axis
+
+
+def test_tile_plan_sizes():
+    G, block_q, block_k = tile_plan_sizes(problem(8, 2), block_q=100, block_k=100)
+    assert (G, block_q, block_k) == (4, 5, 7)  # clipped to T = 5 and S = 7
+    assert tile_plan_sizes(problem(3, 3), block_q=2, block_k=3) == (1, 2, 3)
+    # Under a causal mask about BLOCK_ROWS rows after folding, BLOCK_K keys.
+    big = problem(8, 2, T=2000, S=3000, is_causal=True)
+    G, block_q, block_k = tile_plan_sizes(big, num_threads=1)
+    rows = BLOCK_ROWS[big.work_dtype]
+    assert G == 4 and rows - G < G * block_q <= rows
+    assert block_k == BLOCK_K[big.work_dtype]
+    # Without a band the rows grow towards BLOCK_ROWS_FULL, while every thread gets a unit:
+    # 4 outer heads (2 batch entries x 2 key heads) and 8 threads give 2 blocks per head.
+    G, block_q, _ = tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=8)
+    assert G * block_q == min(BLOCK_ROWS_FULL[big.work_dtype], G * 1000)
+    G, block_q, _ = tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=64)
+    assert G * block_q == max(rows, G * 2000 // 16)  # 16 blocks per head: at least BLOCK_ROWS

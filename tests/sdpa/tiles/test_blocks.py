@@ -1,0 +1,195 @@
+"""The flex face's plan (sdpa.tiles.blocks): pieces, the plan of a row of a block mask, the
+units and their count, the plan cache and the plans kept beside a block mask.
+
+Pieces are checked against the key positions written out by hand and against NumPy's fancy
+indexing; a row's plan against a made-up row of block kinds and a mask evaluated in the test
+entry by entry; the units against a count of every (batch entry, query head, query block)
+(Hypothesis over the sizes and the masks, per head or shared).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import itertools
+import weakref
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpa import create_block_mask
+from sdpa.block_mask import EMPTY, FULL, PARTIAL
+from sdpa.tiles.blocks import (
+    Piece,
+    PlanCache,
+    RowPlan,
+    plans_beside,
+    row_plan,
+    unit_count,
+    unit_list,
+)
+
+
+def test_piece_of_merges_runs_of_blocks():
+    # Blocks of 4 keys, S = 26: blocks 0-1 and 3-4 are runs; block 6 is cut at S.
+    piece = Piece.of([0, 1, 3, 4, 6], masked=True, block_kv=4, S=26)
+    assert piece.spans == ((0, 8), (12, 20), (24, 26))
+    assert piece.masked and piece.size == 18
+    want = [*range(0, 8), *range(12, 20), 24, 25]
+    np.testing.assert_array_equal(piece.cols(), want)
+    assert Piece.of([2], masked=False, block_kv=4, S=26).spans == ((8, 12),)
+
+
+def test_piece_gather_is_fancy_indexing(rng):
+    x = rng.standard_normal((2, 3, 26, 5))  # (B, H, S, D)
+    for blocks in ([0, 1, 3, 4, 6], [2, 3], [6], [5, 1]):
+        piece = Piece.of(blocks, masked=False, block_kv=4, S=26)
+        got = piece.gather(x)
+        np.testing.assert_array_equal(got, x[..., piece.cols(), :])
+        if len(piece.spans) == 1:
+            assert np.shares_memory(got, x)  # one run: a view, no copy
+
+
+def mod(b, h, q_idx, kv_idx):
+    """A made-up mask: neither causal nor a band, depending on every index."""
+    return (q_idx * 3 + kv_idx + h + 2 * b) % 4 != 0
+
+
+def test_row_plan_on_a_made_up_row():
+    # 7 key blocks of 2 keys (S = 13, the last block is key 12 alone); pieces of 2 blocks.
+    kinds = np.array([PARTIAL, FULL, EMPTY, FULL, PARTIAL, FULL, PARTIAL])
+    rows = range(4, 7)
+    plan = row_plan(kinds, mod, (1, 2), rows, block_kv=2, S=13, block_k=4)
+    assert isinstance(plan, RowPlan) and plan.computed == 6 and plan.partial == 3
+    pieces = [piece for piece, _ in plan.pieces]
+    assert pieces == [
+        Piece(((2, 4), (6, 8)), False),  # full blocks 1 and 3
+        Piece(((10, 12),), False),  # full block 5
+        Piece(((0, 2), (8, 10)), True),  # partial blocks 0 and 4
+        Piece(((12, 13),), True),  # partial block 6
+    ]
+    assert [mask is None for _, mask in plan.pieces] == [True, True, False, False]
+    for piece, mask in plan.pieces[2:]:
+        cols = piece.cols()
+        want = np.array([[not mod(1, 2, i, j) for j in cols] for i in rows])  # True: disallowed
+        np.testing.assert_array_equal(mask.reshape(len(rows), len(cols)), want)
+        assert not mask.flags.writeable  # plans are shared between threads and calls
+    assert plan.nbytes == sum(mask.nbytes for _, mask in plan.pieces[2:])
+
+
+def test_row_plan_takes_one_block_at_least_per_piece():
+    kinds = np.array([FULL, FULL, EMPTY, PARTIAL])
+    plan = row_plan(kinds, mod, (0, 0), range(0, 2), block_kv=8, S=30, block_k=3)
+    spans = [piece.spans for piece, _ in plan.pieces]
+    assert spans == [((0, 8),), ((8, 16),), ((24, 30),)]
+    assert plan.nbytes == plan.pieces[2][1].nbytes
+
+
+def test_an_empty_row_has_no_piece():
+    plan = row_plan(np.array([EMPTY, EMPTY]), mod, (0, 0), range(3), 4, 8, 8)
+    assert plan.pieces == () and plan.computed == 0 and plan.nbytes == 0
+
+
+@st.composite
+def unit_cases(draw):
+    B, Hkv, G, n_q = (draw(st.integers(1, 3)) for _ in range(4))
+    n_kv = draw(st.integers(1, 4))
+    per_batch, per_head = draw(st.booleans()), draw(st.booleans())
+    shape = (B if per_batch else 1, Hkv * G if per_head else 1, n_q, n_kv)
+    seed = draw(st.integers(0, 2**32 - 1))
+    kinds = np.random.default_rng(seed).integers(0, 3, size=shape)
+    block = draw(st.sampled_from([1, 16, 2048]))  # 2048 x 2048 blocks: too large to fold
+    return B, Hkv, G, kinds, block
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=unit_cases())
+def test_units_cover_every_query_block_of_every_head_once(case):
+    B, Hkv, G, kinds, block = case
+    n_q = kinds.shape[2]
+    units = unit_list(B, Hkv, G, kinds, block, block)
+    seen = []
+    for b, hk0, hk1, g0, g1, m in units:
+        assert 0 <= b < B and 0 <= hk0 < hk1 <= Hkv and 0 <= g0 < g1 <= G and 0 <= m < n_q
+        if kinds.shape[1] > 1:  # a mask per head: one query head per unit
+            assert hk1 - hk0 == 1 and g1 - g0 == 1
+        else:  # a shared mask: all the query heads of its key heads
+            assert (g0, g1) == (0, G)
+        seen += [(b, hk * G + g, m) for hk in range(hk0, hk1) for g in range(g0, g1)]
+    everything = list(itertools.product(range(B), range(Hkv * G), range(n_q)))
+    assert sorted(seen) == everything  # each once
+    assert unit_count(B, Hkv, G, kinds, block, block) == len(units)
+    # Head after head, the costliest query blocks of a head first.
+    order = [(b, hk0, g0) for b, hk0, _, g0, _, _ in units]
+    assert order == sorted(order)
+    nonempty = np.count_nonzero(kinds, axis=-1)
+    for _, group in itertools.groupby(units, key=lambda u: (u[0], u[1], u[3])):
+        costs = [
+            nonempty[b % kinds.shape[0], (hk * G + g) % kinds.shape[1], m]
+            for b, hk, _, g, _, m in group
+        ]
+        assert costs == sorted(costs, reverse=True)
+
+
+def test_a_shared_mask_folds_key_heads_and_large_blocks_do_not():
+    kinds = np.full((1, 1, 4, 2), FULL)  # B = 4, Hkv = 8, G = 2: 128 units of one key head
+    small = unit_list(4, 8, 2, kinds, 16, 16)
+    assert len(small) < 4 * 8 * 4 and max(u[2] - u[1] for u in small) > 1
+    large = unit_list(4, 8, 2, kinds, 4096, 4096)
+    assert len(large) == 4 * 8 * 4 and all(u[2] - u[1] == 1 for u in large)
+
+
+class Plan:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+
+def test_plan_cache_keeps_plans_within_its_budget():
+    cache, made = PlanCache(budget=100), []
+
+    def maker(key, nbytes):
+        def make():
+            made.append(key)
+            return Plan(nbytes)
+
+        return make
+
+    a = cache.get("a", maker("a", 60))
+    assert cache.get("a", maker("a", 60)) is a and made == ["a"]  # kept: made once
+    assert cache.nbytes == 60
+    b = cache.get("b", maker("b", 50))  # 110 > 100: the cache starts over with b alone
+    assert set(cache.plans) == {"b"} and cache.nbytes == 50
+    assert cache.get("b", maker("b", 50)) is b
+    assert cache.get("a", maker("a", 60)) is not a  # made again
+    assert made == ["a", "b", "a"] and set(cache.plans) == {"a"}
+    big = cache.get("big", maker("big", 150))  # larger than the budget: used, never kept
+    assert big.nbytes == 150 and "big" not in cache.plans and cache.nbytes == 0
+    cache.get("big", maker("big", 150))
+    assert made == ["a", "b", "a", "big", "big"]
+    c = cache.get("c", maker("c", 0))  # a plan without masks costs nothing
+    assert cache.get("c", maker("c", 0)) is c and cache.nbytes == 0
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def test_plans_beside_one_mask_and_not_its_copy():
+    mask = create_block_mask(causal, None, None, 8, 8, BLOCK_SIZE=4)
+    plans = plans_beside(mask, 1000)
+    assert isinstance(plans, PlanCache) and plans.budget == 1000
+    assert plans_beside(mask, 1000) is plans
+    assert plans_beside(mask, 5) is plans  # the budget of its first use
+    twin = copy.deepcopy(mask)
+    assert plans_beside(twin, 1000) is not plans
+
+
+def test_plans_beside_let_the_mask_go():
+    mask = create_block_mask(causal, None, None, 8, 8, BLOCK_SIZE=4)
+    plans = plans_beside(mask, 1000)
+    plans.get("row", lambda: Plan(10))
+    gone = weakref.ref(mask)
+    del mask
+    gc.collect()
+    assert gone() is None
