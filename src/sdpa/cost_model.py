@@ -20,7 +20,7 @@ import numpy as np
 from ._checks import available_memory
 from .problem import AttentionProblem
 from .threads import default_num_threads
-from .tiles.band import tile_plan_sizes
+from .tiles.band import head_groups, tile_plan_sizes
 from .tiles.blocks import unit_count
 
 __all__ = [
@@ -140,7 +140,7 @@ def tiling_geometry(
     stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
     stop = np.maximum(start, stop)
     n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
-    units = outer * t0.size
+    units = head_groups(problem, F, bq) * t0.size  # several heads to a unit under a band
     tiles = outer * int(n_tiles.sum())
     scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
     num_threads = min(default_num_threads(), max(units, 1))

@@ -81,10 +81,12 @@ from .threads import default_num_threads
 from .tiles.band import (
     BandTiles,
     band_keys,
+    heads_per_unit,
     key_block_range,
     rows_meeting,
     tile_kind,
     tile_plan_sizes,
+    unit_outer,
 )
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import LOG2E, OnlineSoftmax, Workspace
@@ -105,10 +107,10 @@ class TileStats(Counts):
     Attributes
     ----------
     units : int
-        Work units run: one block of query rows of one head (with the heads that share its
-        keys folded in).
+        Work units run: one block of query rows of one head, with the heads that share its
+        keys folded in (under a causal mask or a window, of several heads).
     computed : int
-        Tiles whose scores were computed.
+        Tiles whose scores were computed, counted for each head.
     rescaled : int
         Computed tiles that moved the shift ``m`` (with a mask or a bias, each unit's first
         tile, at least).
@@ -236,7 +238,8 @@ def tile_map(
 
 @dataclass
 class _Plan:
-    """Everything a worker needs, as views shaped ``(*outer, G, ...)`` or ``(*outer, ...)``."""
+    """Everything a worker needs, as views shaped ``(*outer, G, ...)`` or ``(*outer, ...)``,
+    with at least one outer axis; a unit takes ``n`` consecutive entries of the last one."""
 
     q: np.ndarray  # (*outer, G, T, Dk)
     k: np.ndarray  # (*outer, S, Dk) view of the keys
@@ -258,6 +261,7 @@ class _Plan:
     Dk: int
     Dv: int
     G: int
+    n: int  # heads (entries of the last outer axis) per unit
     block_q: int
     block_k: int
     dtype: np.dtype
@@ -283,18 +287,19 @@ def _make_plan(
     G, block_q, block_k = tile_plan_sizes(problem, block_q, block_k, num_threads)
     fold = G > 1
     outer = bs[:-1] if fold else bs
+    lead = (lambda a: a) if outer else (lambda a: a[None])  # one outer axis at least
 
     def rows_view(a, last):  # broadcast a (..., T, last) array to (*outer, G, T, last)
         full = np.broadcast_to(a, (*bs, T, last))
-        return full if fold else full[..., None, :, :]
+        return lead(full if fold else full[..., None, :, :])
 
     def row_sinks(a):  # broadcast the (..., T) sinks to (*outer, G, T)
         full = np.broadcast_to(a, (*bs, T))
-        return full if fold else full[..., None, :]
+        return lead(full if fold else full[..., None, :])
 
     def heads_view(a, last):  # the (S, last) head of a (..., S, last) array each outer index reads
         full = np.broadcast_to(a, (*bs, S, last))
-        return full[..., 0, :, :] if fold else full
+        return lead(full[..., 0, :, :] if fold else full)
 
     # Base 2: the scores are computed in units of ln 2 (the query's scale times LOG2E), so
     # that the tiles' exponential is exp2. Not with a float bias (bias * LOG2E can overflow
@@ -309,6 +314,7 @@ def _make_plan(
     bias = None if problem.bias is None else rows_view(problem.bias, S)
     lo, hi = problem.band
     value = problem.value if v_exp is None else np.ldexp(problem.value, -v_exp)  # exact
+    outer = unit_outer(problem, G)
     stat = (lambda: np.empty((*outer, G, T), dtype=dtype)) if with_stats else (lambda: None)
     return _Plan(
         q=rows_view(problem.query, Dk),
@@ -331,6 +337,7 @@ def _make_plan(
         Dk=Dk,
         Dv=Dv,
         G=G,
+        n=heads_per_unit(problem, G, block_q, outer),
         block_q=int(block_q),
         block_k=int(block_k),
         dtype=dtype,
@@ -348,7 +355,7 @@ class _Space(Workspace):
     shifts, and the keys with a column of ones (made only when a shift is folded in)."""
 
     def __init__(self, plan: _Plan):
-        rows, bk = plan.G * plan.block_q, min(plan.block_k, plan.S)
+        rows, bk = plan.n * plan.G * plan.block_q, min(plan.block_k, plan.S)
         super().__init__(rows, bk, plan.Dv, plan.dtype)
         self.q_shifted = np.empty(rows * (plan.Dk + 1), plan.dtype)  # [query * scale | -m]
         self.disallowed = np.empty(rows * bk, bool) if plan.allowed is not None else None
@@ -358,18 +365,20 @@ class _Space(Workspace):
         self.k1: np.ndarray | None = None
 
     def keys_with_ones(self, k: np.ndarray) -> np.ndarray:
-        """``[k | 1]``: a unit's keys ``(S, Dk)`` with a column of ones, ``(S, Dk + 1)``."""
-        S, Dk = k.shape
-        if self.k1 is None:
-            self.k1 = np.empty((S, Dk + 1), k.dtype)
-            self.k1[:, Dk] = 1
-        self.k1[:, :Dk] = k
-        return self.k1
+        """``[k | 1]``: a unit's keys ``(n, S, Dk)`` with a column of ones, ``(n, S, Dk + 1)``."""
+        n, S, Dk = k.shape
+        if self.k1 is None or self.k1.shape[0] < n:
+            self.k1 = np.empty((n, S, Dk + 1), k.dtype)
+            self.k1[..., Dk] = 1
+        k1 = self.k1[:n]
+        k1[..., :Dk] = k
+        return k1
 
 
 class _Unit:
-    """One work unit in progress: the query rows ``t0:t1`` of the ``G`` folded heads at outer
-    index ``o``, ``rows = G * (t1 - t0)`` rows of scores, and their online softmax.
+    """One work unit in progress: the query rows ``t0:t1`` of the ``G`` folded heads of the
+    ``n`` heads at outer index ``o`` (its last entry a slice of the last outer axis),
+    ``rows = n * G * (t1 - t0)`` rows of scores, and their online softmax.
 
     What the dense face adds to the engine's steps (:class:`sdpa.tiles.softmax.OnlineSoftmax`)
     is the folded shift: once a row's shift has moved, ``-m`` is the last column of
@@ -380,17 +389,17 @@ class _Unit:
 
     def __init__(self, plan: _Plan, space: _Space, o: tuple, t0: int, t1: int, at_zero):
         G, Dk, bq = plan.G, plan.Dk, t1 - t0
-        rows = G * bq
+        self.k, self.v = plan.k[o], plan.v[o]  # (n, S, Dk), (n, S, Dv): views of the heads
+        n = self.k.shape[0]
+        rows = n * G * bq
         self.plan, self.space = plan, space
-        self.o, self.t0, self.t1, self.rows = o, t0, t1, rows  # the block: (G * bq) rows
-        self.k, self.v = plan.k[o], plan.v[o]  # (S, Dk), (S, Dv): views of the unit's head
-        self.k1 = None  # (S, Dk + 1), [k | 1], made once a shift is folded in
-        self.allowed = None if plan.allowed is None else plan.allowed[o]  # (G, T, S)
-        self.bias = None if plan.bias is None else plan.bias[o]  # (G, T, S)
-        self.q_shifted = space.q_shifted[: rows * (Dk + 1)].reshape(rows, Dk + 1)
-        np.multiply(
-            plan.q[o][:, t0:t1, :], plan.scale, out=self.q_shifted.reshape(G, bq, Dk + 1)[..., :Dk]
-        )
+        self.o, self.t0, self.t1, self.rows, self.n = o, t0, t1, rows, n
+        self.k1 = None  # (n, S, Dk + 1), [k | 1], made once a shift is folded in
+        self.allowed = None if plan.allowed is None else plan.allowed[o]  # (n, G, T, S)
+        self.bias = None if plan.bias is None else plan.bias[o]  # (n, G, T, S)
+        self.q_shifted = space.q_shifted[: rows * (Dk + 1)].reshape(n, G * bq, Dk + 1)
+        q_part = self.q_shifted.reshape(n, G, bq, Dk + 1)[..., :Dk]
+        np.multiply(plan.q[o][:, :, t0:t1, :], plan.scale, out=q_part)
         self.folded.fill(0)
         self.any_folded = False  # while no shift is folded in, the keys need no column of ones
         self.unfolded = space.unfolded[:rows]
@@ -400,18 +409,18 @@ class _Unit:
 
     @property
     def folded(self) -> np.ndarray:
-        """``(rows,)``: ``-m`` for the rows whose shift is folded in, else 0."""
-        return self.q_shifted[:, -1]
+        """``(n, G bq)``: ``-m`` for the rows whose shift is folded in, else 0."""
+        return self.q_shifted[..., -1]
 
     def scores(self, s0: int, s1: int) -> np.ndarray:
-        """The scores buffer viewed as the tile ``(G, bq, s1 - s0)``."""
-        return self.space.scores_view((self.plan.G, self.t1 - self.t0, s1 - s0))
+        """The scores buffer viewed as the tile ``(n, G, bq, s1 - s0)``."""
+        return self.space.scores_view((self.n, self.plan.G, self.t1 - self.t0, s1 - s0))
 
     def lazy_step(self, s0: int, s1: int, disallowed) -> bool:
         """Add the tile at the present shifts (the engine's lazy step); False if not exact."""
         scores = self.scores(s0, s1)
         self.shifted_scores(scores, s0, s1, None, self.unfolded if self.any_unfolded else None)
-        return self.softmax.lazy_step(scores, self.v[None, s0:s1], disallowed)
+        return self.softmax.lazy_step(scores, self.v[:, s0:s1], disallowed)
 
     def exact_step(self, s0: int, s1: int, disallowed) -> None:
         """The engine's exact step on the raw scores (nothing folded in, so in base e they are
@@ -422,32 +431,36 @@ class _Unit:
         self.folded.fill(0)
         self.any_folded = False
         self.shifted_scores(scores, s0, s1, disallowed, None, check=plan.may_overflow)
-        self.softmax.exact_step(scores, self.v[None, s0:s1], masked=disallowed is not None)
+        self.softmax.exact_step(scores, self.v[:, s0:s1], masked=disallowed is not None)
         m = self.softmax.m
         small = np.abs(m) <= plan.fold_limit  # rows whose shift can be folded in exactly
-        np.negative(m, out=self.folded)
-        self.folded[~small] = 0
+        folded = self.folded  # (n, G bq): the last column of q_shifted
+        np.negative(m.reshape(folded.shape), out=folded)
+        folded[~small.reshape(folded.shape)] = 0
         self.any_folded = bool(small.any())
         self.any_unfolded = not small.all()
         np.copyto(self.unfolded, m)
         self.unfolded[small] = 0
 
     def shifted_scores(self, scores, s0, s1, disallowed, unfolded, check=False) -> None:
-        """``scores = scale * q k^T - folded + bias - unfolded`` on one tile ``(G, bq, bk)``
+        """``scores = scale * q k^T - folded + bias - unfolded`` on one tile ``(n, G, bq, bk)``
         (each row's shift ``m`` is in ``folded`` or in ``unfolded``), disallowed entries set
         to ``-inf``. With ``check``, the raw scores are checked for overflow first."""
-        flat = scores.reshape(self.rows, -1)
+        flat = scores.reshape(self.n, -1, s1 - s0)  # (n, G bq, bk)
         if self.any_folded:
             if self.k1 is None:
                 self.k1 = self.space.keys_with_ones(self.k)
-            np.matmul(self.q_shifted, self.k1[s0:s1].T, out=flat)  # (rows, Dk+1) @ (Dk+1, bk)
+            keys = np.swapaxes(self.k1[:, s0:s1], -1, -2)  # (n, Dk + 1, bk)
+            np.matmul(self.q_shifted, keys, out=flat)  # (n, G bq, Dk + 1) @ (n, Dk + 1, bk)
         else:
-            np.matmul(self.q_shifted[:, :-1], self.k[s0:s1].T, out=flat)  # (rows, Dk) @ (Dk, bk)
-        bias = None if self.bias is None else self.bias[:, self.t0 : self.t1, s0:s1]
+            keys = np.swapaxes(self.k[:, s0:s1], -1, -2)  # (n, Dk, bk)
+            np.matmul(self.q_shifted[..., :-1], keys, out=flat)  # (n, G bq, Dk) @ (n, Dk, bk)
+        bias = None if self.bias is None else self.bias[:, :, self.t0 : self.t1, s0:s1]
         if bias is not None:
             np.add(scores, bias, out=scores)
         if unfolded is not None:
-            np.subtract(flat, unfolded[:, None], out=flat)
+            rows = scores.reshape(self.rows, -1)
+            np.subtract(rows, unfolded[:, None], out=rows)
         if check:
             allowed = None if disallowed is None else ~disallowed
             check_overflow(self.plan.problem, scores, allowed, bias)
@@ -457,15 +470,15 @@ class _Unit:
     def write_result(self) -> None:
         """The engine's finish (sinks included) into the plan's ``out``, ``lse``, ``m``, ``l``."""
         plan, o, t0, t1 = self.plan, self.o, self.t0, self.t1
-        shape = (plan.G, t1 - t0)
-        sinks = None if plan.sinks is None else plan.sinks[o][:, t0:t1].reshape(self.rows)
-        out = plan.out[o][:, t0:t1, :]  # (G, bq, Dv) view of the result
+        shape = (self.n, plan.G, t1 - t0)
+        sinks = None if plan.sinks is None else plan.sinks[o][:, :, t0:t1].reshape(self.rows)
+        out = plan.out[o][:, :, t0:t1, :]  # (n, G, bq, Dv) view of the result
         lse, m, l = self.softmax.finish(out, sinks)
         restore_scale(out, plan.v_exp, self.space.top)
-        plan.lse[o][:, t0:t1] = lse.reshape(shape)
+        plan.lse[o][:, :, t0:t1] = lse.reshape(shape)
         if plan.m is not None:
-            plan.m[o][:, t0:t1] = m.reshape(shape)
-            plan.l[o][:, t0:t1] = l.reshape(shape)
+            plan.m[o][:, :, t0:t1] = m.reshape(shape)
+            plan.l[o][:, :, t0:t1] = l.reshape(shape)
 
 
 class _Worker:
@@ -514,22 +527,22 @@ class _Worker:
             s1 = min((b + 1) * plan.block_k, key_stop)
             disallowed = self.tile_disallowed(unit, s0, s1)
             if disallowed is _EVERY_KEY:
-                stats.skipped_mask += 1
+                stats.skipped_mask += unit.n  # the tile of each of the unit's heads
                 continue
-            stats.computed += 1
+            stats.computed += unit.n
             lazy = softmax.all_started and not plan.may_overflow
             if not (lazy and unit.lazy_step(s0, s1, disallowed)):
-                stats.retried += lazy
-                stats.rescaled += 1
+                stats.retried += lazy * unit.n
+                stats.rescaled += unit.n
                 unit.exact_step(s0, s1, disallowed)
             if at_zero and b == first:
                 meeting = rows_meeting(t0, t1, s0, s1, *band)
-                if not softmax.sums_hold(meeting, plan.G):
+                if not softmax.sums_hold(meeting, unit.n * plan.G):
                     return False
         return not at_zero or softmax.sums_hold()
 
     def tile_disallowed(self, unit: _Unit, s0: int, s1: int):
-        """``(G, bq, bk)`` bool, True where the tile's scores are disallowed; None if none is;
+        """``(n, G, bq, bk)`` bool, True where the tile's scores are disallowed; None if none is;
         ``_EVERY_KEY`` if the user's mask disallows the whole tile (it is then skipped)."""
         plan, t0, t1 = self.plan, unit.t0, unit.t1
         kind = tile_kind(t0, t1, s0, s1, plan.offset, plan.lo, plan.hi)
@@ -537,8 +550,8 @@ class _Worker:
         if unit.allowed is None:
             return self.band.disallowed(t0, t1, s0, s1) if kind == PARTIAL else None
         disallowed = self.space.disallowed[: unit.rows * (s1 - s0)]
-        disallowed = disallowed.reshape(plan.G, t1 - t0, s1 - s0)
-        np.logical_not(unit.allowed[:, t0:t1, s0:s1], out=disallowed)
+        disallowed = disallowed.reshape(unit.n, plan.G, t1 - t0, s1 - s0)
+        np.logical_not(unit.allowed[:, :, t0:t1, s0:s1], out=disallowed)
         if kind == PARTIAL:
             np.logical_or(disallowed, self.band.disallowed(t0, t1, s0, s1), out=disallowed)
         return _EVERY_KEY if disallowed.all() else disallowed
@@ -550,13 +563,15 @@ def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.nd
     Returns the largest ``|out|`` of each column ``(Dv,)``, NaN where any result was NaN.
     """
     T, S = plan.T, plan.S
-    outer = plan.out.shape[:-3]
+    outer = plan.out.shape[:-3]  # one axis at least; a unit takes n entries of the last
+    heads = [slice(h, min(outer[-1], h + plan.n)) for h in range(0, outer[-1], plan.n)]
     n_q = -(-T // plan.block_q)
     units = []
     for a in range(n_q):
         t0, t1 = a * plan.block_q, min(T, (a + 1) * plan.block_q)
         first, stop = key_block_range(t0, t1, S, plan.block_k, plan.offset, plan.lo, plan.hi)
-        units.extend((stop - first, o, t0, t1) for o in np.ndindex(*outer))
+        for prefix in np.ndindex(*outer[:-1]):
+            units.extend((stop - first, (*prefix, h), t0, t1) for h in heads)
     # Longest first, so the last units to finish are short ones (causal rows vary in length).
     units.sort(key=lambda u: -u[0])
     work = [u[1:] for u in units]
@@ -565,10 +580,9 @@ def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.nd
     run_units(work, workers, stats)
     if stats is not None:
         n_k = -(-S // plan.block_k)
+        visited = sum(u[0] * (u[1][-1].stop - u[1][-1].start) for u in units)  # per head
         stats.units += len(work)
-        stats.skipped_band += n_q * n_k * int(np.prod(outer, dtype=np.int64)) - sum(
-            u[0] for u in units
-        )
+        stats.skipped_band += n_q * n_k * int(np.prod(outer, dtype=np.int64)) - visited
     return column_top(workers)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..block_mask import EMPTY, FULL, PARTIAL
 from ..problem import AttentionProblem
 from ..threads import default_num_threads
-from ..tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL
+from ..tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL, MIN_UNITS, UNIT_SCORES
 
 __all__: list[str] = []
 
@@ -79,6 +79,7 @@ class BandTiles:
                 tile |= diff < self.lo
             if self.hi is not None:
                 tile |= diff > self.hi
+            tile.flags.writeable = False  # shared by the worker's units: read, never written
             if len(self.cache) > 64:
                 self.cache.clear()
             self.cache[key] = tile
@@ -133,3 +134,33 @@ def unmasked_rows(dtype: np.dtype, T: int, G: int, outer: int, num_threads: int 
     blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
     rows_per_block = G * -(-T // blocks)  # the rows, split into `blocks`
     return max(rows, min(BLOCK_ROWS_FULL.get(dtype, rows), rows_per_block))
+
+
+def heads_per_unit(problem: AttentionProblem, G: int, block_q: int, outer: tuple[int, ...]) -> int:
+    """Entries of the last outer axis (heads, each with its ``G`` folded query heads) that one
+    unit takes: several under a causal mask or a window, whose units are short blocks of rows
+    (a unit costs tens of microseconds of Python, during which another worker may wait for the
+    GIL), within ``UNIT_SCORES`` scores and leaving ``MIN_UNITS`` units; one without a band,
+    whose units are long already. Depends on the shapes alone."""
+    if problem.band == (None, None) or not outer:
+        return 1
+    n_q = -(-problem.T // block_q)
+    units = n_q * int(np.prod(outer, dtype=np.int64))
+    most = max(1, units // MIN_UNITS)
+    per_head = max(1, G * block_q * problem.S)  # scores of a unit of one head, at most
+    return int(max(1, min(outer[-1], most, UNIT_SCORES // per_head)))
+
+
+def unit_outer(problem: AttentionProblem, G: int) -> tuple[int, ...]:
+    """The outer axes of the dense face's units (one at least): the batch axes, without the
+    last when its ``G`` heads are folded into the rows."""
+    bs = problem.batch_shape
+    return (bs[:-1] if G > 1 else bs) or (1,)
+
+
+def head_groups(problem: AttentionProblem, G: int, block_q: int) -> int:
+    """Units per block of query rows: the outer entries, ``heads_per_unit`` of the last outer
+    axis to a unit."""
+    outer = unit_outer(problem, G)
+    n = heads_per_unit(problem, G, block_q, outer)
+    return int(np.prod(outer[:-1], dtype=np.int64)) * -(-outer[-1] // n)
