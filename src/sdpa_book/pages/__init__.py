@@ -1,9 +1,7 @@
 """Helpers of single pages of the book (or of one part): each module serves the pages named
 here, and the rest of ``sdpa_book`` (glue, tables, timing, the figure style, the diagrams, the
-widgets) is what many pages share.
+widgets) is what many pages share. Its modules, and the pages each serves:
 
-Modules
--------
 block_grid
     *Programmable attention* (``book/modern/programmable-attention.md``):
     :func:`~sdpa_book.pages.block_grid.block_kinds` (full, partial and empty tiles of a block
