@@ -281,6 +281,63 @@ class PagedKVCache:
             self._refs[block] += 1
         return child
 
+    def share(self, blocks: list[int]) -> int:
+        """Start a sequence whose tokens are those of the given full blocks, in order.
+
+        Prefix caching: a server keeps the full blocks of prompts it has seen, and a new
+        request whose prompt begins with the same tokens starts from them instead of
+        computing them again. No block is taken; each given block's reference count goes up
+        by one. The blocks must be held (by a sequence, or by another :meth:`share`) and
+        full: the new sequence's length is ``len(blocks) * block_size``, and it writes its
+        next token into a block of its own.
+
+        Parameters
+        ----------
+        blocks : list of int
+            Distinct ids of blocks that some live sequence holds, whose slots are all filled.
+
+        Returns
+        -------
+        seq : int
+            The new sequence's id.
+
+        Raises
+        ------
+        TypeError
+            If an id is not an integer.
+        ValueError
+            If an id is out of range, repeated, or of a block that no sequence holds.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from sdpa import PagedKVCache
+        >>> cache = PagedKVCache(num_blocks=4, block_size=2, n_kv_heads=1, head_dim=1)
+        >>> seq = cache.new_sequence()
+        >>> cache.append(seq, np.arange(5.0).reshape(1, 5, 1), np.zeros((1, 5, 1)))
+        >>> kept = cache.share(cache.block_table(seq)[:2])  # its first 4 tokens
+        >>> cache.free(seq)  # the shared blocks stay; the third returns to the pool
+        >>> cache.block_table(kept), cache.length(kept), cache.num_free_blocks
+        ([0, 1], 4, 2)
+        >>> cache.keys_values(kept)[0][0, :, 0]
+        array([0., 1., 2., 3.], dtype=float32)
+        """
+        ids = [check_int(b, "blocks[]") for b in blocks]
+        for b in ids:
+            if not 0 <= b < self.num_blocks or self._refs[b] == 0:
+                raise ValueError(
+                    f"blocks must list blocks in [0, num_blocks={self.num_blocks}) that a "
+                    f"sequence holds; got block {b}"
+                )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"blocks must not repeat a block; got {ids}")
+        seq = self.new_sequence()
+        self._tables[seq] = ids
+        self._lengths[seq] = len(ids) * self.block_size
+        for b in ids:
+            self._refs[b] += 1
+        return seq
+
     def free(self, seq: int) -> None:
         """End ``seq``: its blocks return to the pool once no other sequence holds them.
 

@@ -13,6 +13,10 @@ Optimiser (``sdpa.nn.optim``)
 Model (``sdpa.nn.model``, ``sdpa.nn.config``)
     :class:`DecoderLM`: forward pass, loss and gradients, generation with a KV cache; its
     sizes and options in a :class:`DecoderConfig`, checked once.
+Serving (``sdpa.nn.serving``, over ``sdpa.nn.packed``, ``sdpa.nn.scheduler``, ``sdpa.nn.speculative``)
+    :class:`LLMEngine`: many requests at once, one batched pass per step over a paged KV
+    cache, with chunked prefill, prefix caching, preemption and speculative decoding; its
+    counts in an :class:`EngineStats`.
 
 >>> import numpy as np
 >>> from sdpa.nn import AdamW, DecoderLM
@@ -44,12 +48,15 @@ from .losses import cross_entropy, cross_entropy_backward, embedding_backward
 from .mla import LatentKVCache, MultiHeadLatentAttention
 from .model import DecoderLM
 from .optim import AdamW
+from .serving import EngineStats, LLMEngine
 from .softcap import softcap, softcap_backward
 
 __all__ = [
     "AdamW",
     "DecoderConfig",
     "DecoderLM",
+    "EngineStats",
+    "LLMEngine",
     "LatentKVCache",
     "MultiHeadLatentAttention",
     "cross_entropy",
