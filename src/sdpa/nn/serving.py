@@ -53,6 +53,20 @@ class EngineStats:
         Draft proposals, and those the target accepted.
     peak_blocks : int
         The most blocks held by requests at once.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.nn import DecoderLM, LLMEngine
+    >>> model = DecoderLM(vocab_size=7, d_model=8, n_layers=1, n_heads=2, max_len=16,
+    ...                   rng=np.random.default_rng(0))
+    >>> engine = LLMEngine(model, num_blocks=8, block_size=4)
+    >>> engine.add_request([1, 2, 3, 4, 5], max_new_tokens=3)
+    0
+    >>> outputs = engine.run()
+    >>> s = engine.stats
+    >>> s.prefill_tokens, s.decode_tokens, s.generated_tokens  # 5 prompt tokens, 3 - 1 fed back
+    (5, 2, 3)
     """
 
     steps: int = 0
@@ -130,7 +144,7 @@ class LLMEngine:
     draft_model : DecoderLM, optional
         Speculative decoding: a model of the same ``vocab_size`` and a ``max_len`` at least the
         target's proposes ``num_speculative_tokens`` tokens per step for every decoding
-        request. (The target itself is allowed: every proposal is then accepted.)
+        request. The target itself is allowed: every proposal is then accepted.
     num_speculative_tokens : int, default 0
         ``k >= 1`` with a draft model, 0 without.
 
