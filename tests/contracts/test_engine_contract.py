@@ -194,7 +194,9 @@ def test_chi2_tail_and_threshold():
         assert chi2_tail(x, 4) == pytest.approx(math.exp(-x / 2) * (1 + x / 2), rel=1e-14)
     threshold = chi2_threshold(26, 1e-6)
     assert chi2_tail(threshold, 26) == pytest.approx(1e-6, rel=1e-6)
-    assert 26 + 8 * math.sqrt(52) < threshold < 26 + 12 * math.sqrt(52)
+    # Wilson-Hilferty's approximation, with 4.7534 the normal quantile of 1 - 1e-6: 76.2.
+    cube = 1 - 2 / (9 * 26) + 4.753424 * math.sqrt(2 / (9 * 26))
+    assert threshold == pytest.approx(26 * cube**3, rel=0.02)
 
 
 # ---- construction -------------------------------------------------------------------------------
@@ -294,11 +296,13 @@ def test_request_ids_count_from_zero_in_order():
     assert ids == [0, 1, 2] and all(type(i) is int for i in ids)
 
 
+# (args, kwargs, the exception, a pattern of the argument named); None: ValueError or TypeError,
+# where the contract names no type.
 REFUSED_REQUESTS = {
-    "empty prompt": (([], 2), {}, ValueError, "prompt"),
-    "token = vocab_size": (([1, V], 2), {}, ValueError, "prompt"),
-    "negative token": (([1, -1], 2), {}, ValueError, "prompt"),
-    "2-D prompt": (([[1, 2]], 2), {}, ValueError, "prompt"),
+    "empty prompt": (([], 2), {}, None, "prompt"),
+    "token = vocab_size": (([1, V], 2), {}, None, "prompt"),
+    "negative token": (([1, -1], 2), {}, None, "prompt"),
+    "2-D prompt": (([[1, 2]], 2), {}, None, "prompt"),
     "beyond max_len": (([1] * 30, 11), {}, ValueError, "max_new_tokens|max_len|prompt"),
     "max_new_tokens=0": (([1, 2], 0), {}, ValueError, "max_new_tokens"),
     "max_new_tokens=-2": (([1, 2], -2), {}, ValueError, "max_new_tokens"),
@@ -602,7 +606,7 @@ def test_steps_count_only_calls_with_work():
 
 
 def test_a_long_prompt_is_cut_into_chunks_of_the_budget():
-    engine = engine_of(block_size=4, max_batched_tokens=4)
+    engine = engine_of(block_size=2, max_batched_tokens=4)  # chunks are not cut at blocks
     prompt = random_prompts([10])[0]
     engine.add_request(prompt, 3)
     prefilled, answers = [], []
@@ -623,7 +627,7 @@ def test_a_long_prompt_is_cut_into_chunks_of_the_budget():
 
 
 def test_decode_tokens_go_first_and_chunks_take_what_is_left():
-    engine = engine_of(block_size=4, max_batched_tokens=5)
+    engine = engine_of(block_size=2, max_batched_tokens=5)
     a, b = random_prompts([3, 9], seed=4)
     engine.add_request(a, 8)
     assert sorted(engine.step()) == [0]
@@ -900,6 +904,10 @@ def test_speculative_sampling_keeps_the_targets_law():
     small = dict(vocab_size=3, d_model=8, n_layers=1, n_heads=2, max_len=8)
     target = DecoderLM(**small, rng=np.random.default_rng(0))
     draft = DecoderLM(**small, rng=np.random.default_rng(100))
+    # A sharper draft of other weights: about half its proposals are rejected, so that the
+    # resampling from max(0, p - q) decides many tokens (resampling from p instead gives a
+    # chi-square near 200 on these seeds, a draft's tokens kept unchecked near 300).
+    draft.params["unembedding"] = 3.0 * draft.params["unembedding"]
     prompt, N = [0, 1], 1200
 
     def law(seq):
