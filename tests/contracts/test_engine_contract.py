@@ -29,8 +29,7 @@ import pytest
 import sdpa.nn
 from sdpa.nn import DecoderLM
 
-LLMEngine = getattr(sdpa.nn, "LLMEngine", None)
-pytestmark = pytest.mark.skipif(LLMEngine is None, reason="LLMEngine not implemented yet")
+LLMEngine = sdpa.nn.LLMEngine
 
 STATS = (
     "steps",
