@@ -268,7 +268,9 @@ def _tiling(call: FlexCall, block_k, num_threads, v_exp=None, want_top=False) ->
         lse=np.full((call.B, call.Hkv, call.G, problem.T), -np.inf, dtype=call.dtype),
         value=call.value if v_exp is None else np.ldexp(call.value, -v_exp),  # exact
         v_exp=v_exp,
-        top=np.full((call.B, call.Hkv, call.G, problem.T), -np.inf, call.dtype) if want_top else None,
+        top=np.full((call.B, call.Hkv, call.G, problem.T), -np.inf, call.dtype)
+        if want_top
+        else None,
     )
 
 
