@@ -645,10 +645,10 @@ def flex_attention_tiled(
     enable_gqa: bool = False,
     return_lse: bool = False,
     *,
+    return_aux: AuxRequest | None = None,
     block_k: int | None = None,
     num_threads: int | None = None,
     stats: FlexStats | None = None,
-    return_aux: AuxRequest | None = None,
 ):
     """The tiled path of :func:`sdpa.flex_attention`, with its tunables and its counts.
 

@@ -36,7 +36,7 @@ SCORE_MOD_SIGNATURE = "score_mod(score, b, h, q_idx, kv_idx) -> array"
 class AuxRequest(NamedTuple):
     """What :func:`sdpa.flex_attention` returns beside ``out`` when passed ``return_aux``.
 
-    Attributes
+    Parameters
     ----------
     lse : bool, default False
         The log-sum-exp of each row's modified, allowed scores.
@@ -61,7 +61,7 @@ class AuxOutput(NamedTuple):
     """The auxiliary results of :func:`sdpa.flex_attention`: each array asked for by an
     :class:`AuxRequest`, the others None.
 
-    Attributes
+    Parameters
     ----------
     lse : (B, Hq, T) np.ndarray or None
         Natural-log log-sum-exp of each row's modified, allowed scores; ``-inf`` for a row
