@@ -24,8 +24,9 @@ Combine masks with :func:`sdpa.and_masks` and :func:`sdpa.or_masks`.
 FlexAttention on the scalar tensors it traces. Where a mod reads a table (the slopes of
 :func:`alibi`, the documents of :func:`document`, a tree's ancestors) it takes the table on
 the indices' side: the NumPy array for NumPy indices, ``index.new_tensor(table)`` for torch
-(made on every call: eager PyTorch pays for it, a compiled mod captures it once). The
-exponential of :func:`tanh_softcap` is the one function the two spell differently
+(made on every call, in the dtype of the indices for an integer table and of the scores
+for a float one: eager PyTorch pays for it, a compiled mod captures it once). The
+``tanh`` of :func:`tanh_softcap` is the one function the two spell differently
 (``np.tanh(x)`` against ``x.tanh()``): it picks by the score's type.
 
 **Conventions.** A window of ``w`` positions includes the position itself: query ``i`` sees
@@ -64,12 +65,22 @@ def _named(mod: Callable, name: str) -> Callable:
     return mod
 
 
-def _table(values: np.ndarray, index):
-    """``values`` on the side of ``index``: itself for NumPy indices, else a tensor made like
-    ``index`` (PyTorch's, whose ``new_tensor`` PyTorch's tracing supports)."""
-    if isinstance(index, (np.ndarray, np.generic, int)):
-        return values
-    return index.new_tensor(values)
+class _Table:
+    """A table a mod reads, on the side of its arguments (:meth:`on`)."""
+
+    def __init__(self, values: np.ndarray):
+        self.array = values
+        # A list for PyTorch: its tracer (Dynamo) would turn a NumPy array into a tensor of
+        # its own, which new_tensor copies with a warning.
+        self.items = values.tolist()
+
+    def on(self, like):
+        """The NumPy array beside NumPy arguments, else a tensor made by ``like.new_tensor``
+        (PyTorch's, which its tracing supports) in ``like``'s dtype: an index's for an
+        integer table, the scores' for a float one."""
+        if isinstance(like, (np.ndarray, np.generic, int, float)):
+            return self.array
+        return like.new_tensor(self.items)
 
 
 def _int_table(values, name: str, *, minimum: int = 0) -> np.ndarray:
@@ -293,9 +304,10 @@ def prefix_lm(prefix) -> Callable:
 
         return _named(mod, f"prefix_lm({P})")
     lengths = _int_table(prefix, "prefix")
+    table = _Table(lengths)
 
     def per_batch(b, h, q_idx, kv_idx):
-        return (kv_idx < _table(lengths, b)[b]) | (q_idx >= kv_idx)
+        return (kv_idx < table.on(b)[b]) | (q_idx >= kv_idx)
 
     return _named(per_batch, f"prefix_lm({lengths.tolist()})")
 
@@ -365,14 +377,14 @@ def document(*, lengths=None, offsets=None, inner: Callable | None = None) -> Ca
     if inner is not None and not callable(inner):
         raise TypeError(f"inner must be a mask_mod or None; got {type(inner).__name__}")
     doc = np.repeat(np.arange(sizes.size), sizes)  # the document of each position
-    start = starts[doc]  # the first position of each position's document
+    doc_table, start = _Table(doc), _Table(starts[doc])  # and where that document starts
 
     def mod(b, h, q_idx, kv_idx):
-        docs = _table(doc, q_idx)
+        docs = doc_table.on(q_idx)
         same = docs[q_idx] == docs[kv_idx]
         if inner is None:
             return same
-        first = _table(start, q_idx)[q_idx]
+        first = start.on(q_idx)[q_idx]
         return same & inner(b, h, q_idx - first, kv_idx - first)
 
     name = f"document({sizes.tolist()})"
@@ -416,7 +428,7 @@ def tree(parents: Sequence[int], prefix: int = 0, *, query_offset: int = 0) -> C
     The ancestors are found once, as an ``(n, n)`` boolean table ``A[i, j]`` (``j`` is ``i``
     or an ancestor of ``i``), read by the mod at ``i * n + j``. Every path of the tree from
     a root to a leaf, verified alone with a causal mask, gives the same rows as the tree in
-    one pass (:mod:`tests.sdpa.test_flex_mods` asserts it).
+    one pass (``tests/sdpa/test_flex_mods.py`` asserts it).
 
     Examples
     --------
@@ -445,13 +457,15 @@ def tree(parents: Sequence[int], prefix: int = 0, *, query_offset: int = 0) -> C
     for i in range(n):  # a parent's row is complete before its children's
         if up[i] >= 0:
             ancestors[i] |= ancestors[up[i]]
-    flat = ancestors.ravel()
+    flat = _Table(
+        ancestors.ravel().astype(np.int64)
+    )  # integers: a torch table takes the index's dtype
 
     def mod(b, h, q_idx, kv_idx):
         q_pos = q_idx + offset  # the query's key position
         i, j = q_pos - P, kv_idx - P  # tree indices (negative in the prefix)
         in_tree = (i >= 0) & (i < n)
-        seen = _table(flat, q_idx)[i.clip(0, n - 1) * n + j.clip(0, n - 1)]
+        seen = flat.on(q_idx)[i.clip(0, n - 1) * n + j.clip(0, n - 1)] > 0
         from_prefix = (i < 0) & (q_pos >= kv_idx)
         return from_prefix | (in_tree & ((j < 0) | (seen & (j < n))))
 
@@ -499,10 +513,10 @@ def alibi(H: int) -> Callable:
     True
     """
     H = check_positive_int(H, "H")
-    slopes = alibi_slopes(H)
+    slopes = _Table(alibi_slopes(H))
 
     def mod(score, b, h, q_idx, kv_idx):
-        return score + _table(slopes, h)[h] * (kv_idx - q_idx)
+        return score + slopes.on(score)[h] * (kv_idx - q_idx)
 
     return _named(mod, f"alibi({H})")
 
@@ -587,12 +601,12 @@ def relative_bias(table) -> Callable:
         raise ValueError("table must be finite")
     R = bias.shape[-1] // 2
     width, per_head = 2 * R + 1, bias.ndim == 2
-    flat = bias.ravel()
+    flat = _Table(bias.ravel())
 
     def mod(score, b, h, q_idx, kv_idx):
         d = (kv_idx - q_idx).clip(-R, R) + R
         index = h * width + d if per_head else d
-        return score + _table(flat, index)[index]
+        return score + flat.on(score)[index]
 
     return _named(
         mod, f"relative_bias({bias.shape[0]}, {R})" if per_head else f"relative_bias({R})"
