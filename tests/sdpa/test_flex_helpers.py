@@ -465,3 +465,21 @@ def test_return_aux_errors(rng):
         flex_attention(q, q, q, return_aux=AuxRequest(True, "yes"))
     with pytest.raises(TypeError, match="positional"):
         flex_attention(q, q, q, None, None, None, False, False, "auto", AuxRequest())
+
+
+@pytest.mark.parametrize("implementation", PATHS)
+def test_a_nan_score_makes_its_row_max_nan_and_a_masked_one_does_not(rng, implementation):
+    x = normal(rng, 1, 1, 8, 4)
+    mask = create_block_mask(causal, None, None, 8, 8, BLOCK_SIZE=2)
+
+    def score(s, b, h, i, j):  # NaN at (5, 2), allowed, and at (1, 3), masked
+        return np.where(((i == 5) & (j == 2)) | ((i == 1) & (j == 3)), np.nan, s)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, aux = flex_attention(x, x, x, score, mask, implementation=implementation,
+                                return_aux=AuxRequest(max_scores=True))  # fmt: skip
+    _, top = loop_stats(x, x, x, allowed=lambda b, h, i, j: j <= i)
+    assert np.isnan(aux.max_scores[0, 0, 5])
+    rows = [0, 1, 2, 3, 4, 6, 7]
+    np.testing.assert_allclose(aux.max_scores[0, 0, rows], top[0, 0, rows], rtol=1e-12)
