@@ -28,7 +28,7 @@ LAYERS = [
     {"threads", "tuning", "tiles", "tiled", "cost_model", "blocked", "iomodel"},
     {"attention", "flex_call", "flex"},
     {"backward", "softmax_grad", "finite_diff"},
-    {"rope", "alibi", "kvcache", "paged_kvcache", "linear", "merge"},
+    {"rope", "alibi", "kvcache", "paged_kvcache", "linear", "merge", "flex_mods"},
     {"multihead", "positional"},
     {"nn"},  # a subpackage: the small language model, built on the public API
 ]

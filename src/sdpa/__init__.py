@@ -18,10 +18,11 @@ from . import nn  # noqa: F401
 from .alibi import alibi_bias, alibi_slopes
 from .attention import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
-from .block_mask import BlockMask, create_block_mask
+from .block_mask import BlockMask, and_masks, create_block_mask, create_mask, noop_mask, or_masks
 from .blocked import blocked_attention, blocked_attention_backward
 from .finite_diff import gradcheck, numerical_gradient
 from .flex import flex_attention
+from .flex_call import AuxOutput, AuxRequest
 from .kvcache import KVCache
 from .linear import elu_feature_map, linear_attention
 from .masks import causal_mask, padding_mask, sliding_window_mask
@@ -37,17 +38,21 @@ from .tiled import tile_map
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuxOutput",
+    "AuxRequest",
     "BlockMask",
     "KVCache",
     "MultiHeadAttention",
     "PagedKVCache",
     "alibi_bias",
     "alibi_slopes",
+    "and_masks",
     "apply_rotary_embedding",
     "blocked_attention",
     "blocked_attention_backward",
     "causal_mask",
     "create_block_mask",
+    "create_mask",
     "elu_feature_map",
     "flex_attention",
     "gradcheck",
@@ -56,7 +61,9 @@ __all__ = [
     "logsumexp",
     "merge_attention_states",
     "merge_heads",
+    "noop_mask",
     "numerical_gradient",
+    "or_masks",
     "padding_mask",
     "rotary_cos_sin",
     "scaled_dot_product_attention",

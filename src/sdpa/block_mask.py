@@ -29,14 +29,17 @@ of the attention call), ``q`` and ``kv`` the block sizes.
 
 from __future__ import annotations
 
+import inspect
+import operator
 from collections.abc import Callable
+from functools import reduce
 from numbers import Integral
 
 import numpy as np
 
 from ._checks import as_array, broadcasts_to, check_positive_int
 
-__all__ = ["BlockMask", "create_block_mask"]
+__all__ = ["BlockMask", "and_masks", "create_block_mask", "create_mask", "noop_mask", "or_masks"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # what a block holds
 
@@ -381,3 +384,208 @@ def create_block_mask(
         band_kinds = _block_kinds(allowed, np.arange(0, t1 - t0, block_q), kv_starts)
         kinds[:, :, t0 // block_q : -(-t1 // block_q)] = band_kinds
     return BlockMask(mask_mod, shape, (block_q, block_kv), kinds)
+
+
+# ----------------------------------------------------------------------------------------
+# PyTorch's helpers: the mask that allows everything, combinations of masks, a dense mask
+# ----------------------------------------------------------------------------------------
+
+
+def noop_mask(b, h, q_idx, kv_idx) -> np.ndarray:
+    """The ``mask_mod`` that allows every entry: True everywhere.
+
+    Parameters
+    ----------
+    b, h, q_idx, kv_idx : array_like of int
+        Index arrays that broadcast against each other, as a ``mask_mod`` receives them.
+
+    Returns
+    -------
+    np.ndarray of bool
+        True, of the indices' broadcast shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import create_mask, noop_mask
+    >>> create_mask(noop_mask, None, None, 2, 3).all()
+    np.True_
+    """
+    shape = np.broadcast_shapes(*(np.shape(x) for x in (b, h, q_idx, kv_idx)))
+    return np.ones(shape, dtype=bool)
+
+
+def _combined(mask_mods: tuple, name: str, op: Callable, empty: bool) -> Callable:
+    for i, mod in enumerate(mask_mods):
+        if not callable(mod):
+            raise TypeError(
+                f"{name} takes mask_mods, callables mask_mod(b, h, q_idx, kv_idx) -> bool "
+                f"array; argument {i} is a {type(mod).__name__}"
+            )
+
+    def combined(b, h, q_idx, kv_idx):
+        if not mask_mods:
+            return noop_mask(b, h, q_idx, kv_idx) == empty
+        # Operators only, so that the combination also runs on torch tensors.
+        return reduce(op, (mod(b, h, q_idx, kv_idx) for mod in mask_mods))
+
+    names = ", ".join(getattr(mod, "__name__", type(mod).__name__) for mod in mask_mods)
+    combined.__name__ = combined.__qualname__ = f"{name}({names})"
+    return combined
+
+
+def and_masks(*mask_mods: Callable) -> Callable:
+    """The ``mask_mod`` that allows an entry where every one of ``mask_mods`` allows it.
+
+    Parameters
+    ----------
+    *mask_mods : callable
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool array`` each.
+
+    Returns
+    -------
+    callable
+        A ``mask_mod``: the entrywise AND of their results (True everywhere with none).
+
+    Raises
+    ------
+    TypeError
+        If an argument is not callable.
+
+    Notes
+    -----
+    The results are combined with ``&``, so the combination runs on whatever the mods run on
+    (NumPy arrays here, torch tensors in PyTorch's FlexAttention).
+
+    Examples
+    --------
+    A causal sliding window of 3 positions (the position itself and the two before it):
+
+    >>> from sdpa import and_masks, create_mask
+    >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+    >>> near = lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 3
+    >>> create_mask(and_masks(causal, near), None, None, 5, 5)[0, 0].astype(int)
+    array([[1, 0, 0, 0, 0],
+           [1, 1, 0, 0, 0],
+           [1, 1, 1, 0, 0],
+           [0, 1, 1, 1, 0],
+           [0, 0, 1, 1, 1]])
+    """
+    return _combined(mask_mods, "and_masks", operator.and_, True)
+
+
+def or_masks(*mask_mods: Callable) -> Callable:
+    """The ``mask_mod`` that allows an entry where any one of ``mask_mods`` allows it.
+
+    Parameters
+    ----------
+    *mask_mods : callable
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool array`` each.
+
+    Returns
+    -------
+    callable
+        A ``mask_mod``: the entrywise OR of their results (False everywhere with none).
+
+    Raises
+    ------
+    TypeError
+        If an argument is not callable.
+
+    Notes
+    -----
+    The results are combined with ``|``, so the combination runs on whatever the mods run on.
+
+    Examples
+    --------
+    Prefix-LM: the first 2 positions are seen by all, the rest causally:
+
+    >>> from sdpa import create_mask, or_masks
+    >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+    >>> prefix = lambda b, h, q_idx, kv_idx: kv_idx < 2
+    >>> create_mask(or_masks(causal, prefix), None, None, 4, 4)[0, 0].astype(int)
+    array([[1, 1, 0, 0],
+           [1, 1, 0, 0],
+           [1, 1, 1, 0],
+           [1, 1, 1, 1]])
+    """
+    return _combined(mask_mods, "or_masks", operator.or_, False)
+
+
+def _positional_count(mod_fn: Callable) -> int:
+    """The number of positional parameters without a default, as PyTorch counts them."""
+    try:
+        parameters = inspect.signature(mod_fn).parameters.values()
+    except (TypeError, ValueError):  # no signature (some builtins): treat as unknown
+        return -1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds and p.default is inspect.Parameter.empty for p in parameters)
+
+
+def create_mask(mod_fn: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int):
+    """The dense boolean mask of a ``mask_mod``, or of a ``score_mod``'s ``-inf`` entries.
+
+    Parameters
+    ----------
+    mod_fn : callable
+        A ``mask_mod(b, h, q_idx, kv_idx)`` (four positional parameters), or a
+        ``score_mod(score, b, h, q_idx, kv_idx)`` (five), told apart by their count as
+        PyTorch does.
+    B, H : int or None
+        Batch size and number of heads; None for 1 (the mask is the same for all).
+    Q_LEN, KV_LEN : int
+        Number of queries and keys, positive.
+
+    Returns
+    -------
+    (B or 1, H or 1, Q_LEN, KV_LEN) np.ndarray of bool
+        A mask_mod's result everywhere; for a score_mod, True where it does not return
+        ``-inf`` when called on zero scores (float32, as PyTorch).
+
+    Raises
+    ------
+    TypeError
+        If ``mod_fn`` is not callable, has neither 4 nor 5 positional parameters, or (a
+        mask_mod) returns no bool array; if a size is not an integer.
+    ValueError
+        If a size is not positive, or the mod's result does not broadcast to the indices.
+
+    Notes
+    -----
+    The whole matrix is evaluated at once: for long sequences, :func:`sdpa.create_block_mask`
+    holds a band at a time.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import create_mask
+    >>> create_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 3, 3)[0, 0]
+    array([[ True, False, False],
+           [ True,  True, False],
+           [ True,  True,  True]])
+    >>> def window_bias(score, b, h, q_idx, kv_idx):
+    ...     return np.where(q_idx - kv_idx > 1, -np.inf, score)
+    >>> create_mask(window_bias, None, None, 3, 3)[0, 0].astype(int)
+    array([[1, 1, 1],
+           [1, 1, 1],
+           [0, 1, 1]])
+    """
+    check_mod(mod_fn, "mod_fn", "mask_mod(b, h, q_idx, kv_idx) or score_mod(score, b, ...)")
+    count = _positional_count(mod_fn)
+    if count not in (4, 5):
+        raise TypeError(
+            "mod_fn must be a mask_mod(b, h, q_idx, kv_idx) or a score_mod(score, b, h, q_idx, "
+            f"kv_idx): 4 or 5 positional parameters without defaults; got {count}"
+        )
+    shape = (_check_count(B, "B") or 1, _check_count(H, "H") or 1)
+    shape += (check_positive_int(Q_LEN, "Q_LEN"), check_positive_int(KV_LEN, "KV_LEN"))
+    ranges = [range(n) for n in shape]
+    if count == 4:
+        return np.broadcast_to(evaluate_mask_mod(mod_fn, *ranges), shape).copy()
+    result = as_array(mod_fn(np.zeros(shape, np.float32), *index_arrays(*ranges)), "the result")
+    if result.dtype.kind not in "fiu" or not broadcasts_to(result.shape, shape):
+        raise ValueError(
+            f"mod_fn, a score_mod, must return real scores that broadcast to {shape}; got "
+            f"dtype {result.dtype}, shape {result.shape}"
+        )
+    return np.broadcast_to(~np.isneginf(result), shape).copy()

@@ -54,8 +54,10 @@ from ._checks import check_bool, check_memory, check_positive_int
 from .block_mask import FULL, BlockMask, evaluate_mask_mod
 from .cost_model import flex_worth_tiling
 from .flex_call import (
+    AuxRequest,
     FlexCall,
     apply_score_mod,
+    check_aux,
     check_call,
     empty_result,
     finish,
@@ -67,7 +69,7 @@ from .threads import default_num_threads
 from .tiles.band import unmasked_rows
 from .tiles.blocks import Piece, PlanCache, RowPlan, mask_row, plans_beside, row_plan, unit_list
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
-from .tiles.softmax import LOG2E, OnlineSoftmax, Workspace
+from .tiles.softmax import LN2, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
 from .tuning import BLOCK_K, PIECE_KEYS, PLAN_CACHE_BYTES, tile_exponential
 
@@ -151,8 +153,9 @@ def _dense_mask(block_mask: BlockMask) -> np.ndarray:
     return evaluate_mask_mod(block_mask.mask_mod, range(Bm), range(Hm), range(T), range(S))
 
 
-def _flex_reference(call: FlexCall) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, from the whole scores."""
+def _flex_reference(call: FlexCall, want_top: bool = False) -> tuple:
+    """``(out (B, Hq, T, Dv), lse (B, Hq, T), top)`` in the working dtype, from the whole
+    scores; ``top`` the row maxima (B, Hq, T) if ``want_top``, else None."""
     problem, B, Hq, dtype = call.problem, call.B, call.Hq, call.dtype
     T, S = problem.T, problem.S
     shape = (B, Hq, T, S)
@@ -172,6 +175,7 @@ def _flex_reference(call: FlexCall) -> tuple[np.ndarray, np.ndarray]:
         scores = apply_score_mod(call, scores, range(B), range(Hq), range(T), range(S))
     if allowed is not None:
         scores = np.where(allowed, scores, dtype.type(-np.inf))
+    top = scores.max(axis=-1) if want_top else None
     weights, lse = softmax_and_lse(scores, axis=-1)  # (B, Hq, T, S), (B, Hq, T, 1)
     weights = weights.reshape(B, call.Hkv, call.G, T, S)
     out = (weights @ call.value).reshape(B, Hq, T, problem.Dv)  # (..., T, S) @ (..., S, Dv)
@@ -181,7 +185,7 @@ def _flex_reference(call: FlexCall) -> tuple[np.ndarray, np.ndarray]:
     if infinite.any():
         out[infinite] = np.nan
         lse[infinite] = np.nan
-    return out, lse
+    return out, lse, top
 
 
 # ----------------------------------------------------------------------------------------
@@ -206,6 +210,7 @@ class _Tiling:
     lse: np.ndarray  # (B, Hkv, G, T)
     value: np.ndarray  # (B, Hkv, 1, S, Dv): the call's, or scaled by 2 ** -v_exp
     v_exp: np.ndarray | None  # (Dv,) int: the powers of two the values were scaled by, or None
+    top: np.ndarray | None  # (B, Hkv, G, T): each row's largest allowed score, if asked for
 
     def space(self) -> Workspace:
         """A worker's buffers, for the largest unit and piece of the plan."""
@@ -239,7 +244,7 @@ def _piece_keys(call: FlexCall, block_k: int | None) -> int:
     return PIECE_KEYS if call.block_mask is not None else BLOCK_K.get(call.dtype, 512)
 
 
-def _tiling(call: FlexCall, block_k, num_threads, v_exp: np.ndarray | None = None) -> _Tiling:
+def _tiling(call: FlexCall, block_k, num_threads, v_exp=None, want_top=False) -> _Tiling:
     problem, bm = call.problem, call.block_mask
     kinds, block_q, block_kv = _blocks(call, block_k, num_threads)
     block_k = _piece_keys(call, block_k)
@@ -263,6 +268,9 @@ def _tiling(call: FlexCall, block_k, num_threads, v_exp: np.ndarray | None = Non
         lse=np.full((call.B, call.Hkv, call.G, problem.T), -np.inf, dtype=call.dtype),
         value=call.value if v_exp is None else np.ldexp(call.value, -v_exp),  # exact
         v_exp=v_exp,
+        top=np.full((call.B, call.Hkv, call.G, problem.T), -np.inf, call.dtype)
+        if want_top
+        else None,
     )
 
 
@@ -303,10 +311,14 @@ class _Worker:
             q_tile = call.query[b, hk0:hk1, g0:g1, t0:t1] * tiling.factor  # (n, G', Bq, Dk)
         q_tile = q_tile.reshape(hk1 - hk0, heads // (hk1 - hk0) * (t1 - t0), -1)  # (n, G' Bq, Dk)
         key, value = call.key[b, hk0:hk1, 0], tiling.value[b, hk0:hk1, 0]  # (n, S, Dk), (n, S, Dv)
-        softmax = _Unit(self, q_tile, key, value, (b, h, t0, t1)).walk(plan.pieces)
+        unit = _Unit(self, q_tile, key, value, (b, h, t0, t1))
+        softmax = unit.walk(plan.pieces)
         lse, _, _ = softmax.finish(out)
         restore_scale(out, tiling.v_exp, self.space.top)
         tiling.lse[b, hk0:hk1, g0:g1, t0:t1] = lse.reshape(out.shape[:-1])
+        if tiling.top is not None:  # in natural units, as lse
+            top = unit.top * LN2 if tiling.exp is np.exp2 else unit.top
+            tiling.top[b, hk0:hk1, g0:g1, t0:t1] = top.reshape(out.shape[:-1])
 
     def make_plan(self, row: tuple[int, int, int], t0: int, t1: int) -> RowPlan:
         """The plan of the row ``kinds[row]`` of queries ``t0:t1``."""
@@ -337,6 +349,10 @@ class _Unit:
         self.worker, self.q_tile, self.key, self.value = worker, q_tile, key, value
         self.rows = q_tile.shape[0] * q_tile.shape[1]
         self.where = where  # (b, query heads, t0, t1)
+        # The running maximum of each row's allowed scores, if asked for: the softmax's shift
+        # is not it (lazy steps lag behind it; a unit may start at the shift 0).
+        dtype = worker.tiling.call.dtype
+        self.top = None if worker.tiling.top is None else np.full(self.rows, -np.inf, dtype)
 
     def walk(self, pieces) -> OnlineSoftmax:
         """Add the pieces (each with its mask, True = disallowed, or None) in order."""
@@ -391,6 +407,10 @@ class _Unit:
             check_overflow(problem, scores, None if mask is None else ~mask, None)
         if call.score_mod is not None:
             scores = apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols())
+        if self.top is not None:  # one maximum per row over the allowed scores (NaN stays)
+            allowed = True if mask is None else ~mask
+            top = np.max(scores, axis=-1, initial=-np.inf, where=allowed).reshape(self.rows)
+            np.maximum(self.top, top, out=self.top)
         return scores
 
 
@@ -403,21 +423,21 @@ def _run(tiling: _Tiling, num_threads: int | None, stats: FlexStats | None) -> n
     return column_top(workers)
 
 
-def _flex_tiled(
-    call: FlexCall, block_k: int | None, num_threads, stats
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (B, Hq, T, Dv), lse (B, Hq, T))`` in the working dtype, a block of rows at a time;
-    values near the ends of the range as :mod:`sdpa.tiles.ranges` finds them."""
-    tiling = _tiling(call, block_k, num_threads)
+def _flex_tiled(call: FlexCall, block_k: int | None, num_threads, stats, want_top=False) -> tuple:
+    """``(out (B, Hq, T, Dv), lse (B, Hq, T), top)`` in the working dtype, a block of rows at a
+    time (``top`` as :func:`_flex_reference`'s); values near the ends of the range as
+    :mod:`sdpa.tiles.ranges` finds them."""
+    tiling = _tiling(call, block_k, num_threads, None, want_top)
     top = _run(tiling, num_threads, stats)
     if values_may_be_out_of_range(top):
         v_exp = value_exponents(call.value, call.problem.S)
         if v_exp is not None:
-            tiling = _tiling(call, block_k, num_threads, v_exp)
+            tiling = _tiling(call, block_k, num_threads, v_exp, want_top)
             _run(tiling, num_threads, stats)
     T = call.problem.T
     out = tiling.out.reshape(call.B, call.Hq, T, call.problem.Dv)
-    return out, tiling.lse.reshape(call.B, call.Hq, T)
+    top = None if tiling.top is None else tiling.top.reshape(call.B, call.Hq, T)
+    return out, tiling.lse.reshape(call.B, call.Hq, T), top
 
 
 def _worth_tiling(call: FlexCall) -> bool:
@@ -442,6 +462,8 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     implementation: str = "auto",
+    *,
+    return_aux: AuxRequest | None = None,
 ):
     r"""Attention with a programmable score (``score_mod``) and mask (``block_mask``).
 
@@ -485,14 +507,21 @@ def flex_attention(
         score matrix holds at least ``2**19`` scores and the tiled path's work units at least
         ``2**14`` scores each on average, or when the reference path would take more than a
         quarter of the available memory. Both give the same result to rounding.
+    return_aux : AuxRequest, optional
+        Keyword-only, as in PyTorch 2.13: return ``(out, AuxOutput)`` with the fields the
+        :class:`sdpa.AuxRequest` asks for (the others None). Not with ``return_lse``.
 
     Returns
     -------
     out : (B, Hq, T, Dv) np.ndarray
-        Alone, or first in ``(out, lse)``.
+        Alone, or first in ``(out, lse)`` or ``(out, aux)``.
     lse : (B, Hq, T) np.ndarray
         With ``return_lse``: the natural log of ``sum(exp(scores))`` over the modified,
         allowed scores of each row; ``-inf`` for a row with no allowed key.
+    aux : AuxOutput
+        With ``return_aux``: ``lse`` as above and ``max_scores`` ``(B, Hq, T)``, each row's
+        largest modified, allowed score (natural units; ``-inf`` for a row with none), both
+        in float32 for float16 inputs, else in the inputs' dtype.
 
     Raises
     ------
@@ -502,7 +531,7 @@ def flex_attention(
         ``mask_mod`` that returns no bool array, or a flag that is not a bool.
     ValueError
         For inputs that are not 4-D or do not share ``Dk`` and ``S``, head counts that do not
-        fit, a ``block_mask`` of another shape (other lengths, or a batch or head count other
+        fit, ``return_lse=True`` with ``return_aux``, a ``block_mask`` of another shape (other lengths, or a batch or head count other
         than 1 and the call's), a mod result of the wrong shape, a bad ``scale`` or
         ``implementation``, and scores that overflow the working dtype.
     MemoryError
@@ -538,8 +567,13 @@ def flex_attention(
     mask hides never reaches a row.
 
     **Differences from PyTorch.** The mods are vectorised NumPy functions of index arrays, not
-    scalar functions traced by ``torch.compile``; ``lse`` is returned with ``return_lse``
-    (PyTorch 2.13 asks for ``return_aux``); a block mask's shorter last block may be full.
+    scalar functions traced by ``torch.compile``; ``lse`` is returned with ``return_lse`` (kept
+    here; deprecated in PyTorch 2.13) or ``return_aux``; ``max_scores`` is computed on every
+    path (PyTorch 2.13 refuses it on CPU; its kernels keep it in base 2 and return it, as
+    here, in natural units); a block mask's shorter last block may be full.
+    The tiled path keeps ``max_scores`` as a running maximum of its own, one ``np.max`` per
+    piece when asked for and none otherwise: the online softmax's shift is not the row
+    maximum (a lazy step leaves it behind, and a unit may start at the shift 0).
 
     Examples
     --------
@@ -574,20 +608,31 @@ def flex_attention(
     ...                         block_mask=mask)
     >>> bool(np.allclose(capped[0, :, 0], v[0, :, 0]))
     True
+
+    The largest allowed score of each row, beside ``lse`` (``sdpa.AuxRequest``):
+
+    >>> from sdpa import AuxRequest
+    >>> out, aux = flex_attention(q, k, v, block_mask=mask,
+    ...                           return_aux=AuxRequest(lse=True, max_scores=True))
+    >>> first = (q[0, :, 0] * k[0, :, 0]).sum(-1) / 4  # query 0 sees key 0 only; scale 1/4
+    >>> bool(np.allclose(aux.max_scores[0, :, 0], first)), bool(np.allclose(aux.lse[0, :, 0], first))
+    (True, True)
     """
     return_lse = check_bool(return_lse, "return_lse")
     if implementation not in ("auto", "reference", "tiled"):
         raise ValueError(
             f"implementation must be 'auto', 'reference' or 'tiled'; got {implementation!r}"
         )
+    aux = check_aux(return_aux, return_lse)
+    want_top = aux is not None and aux.max_scores
     call = check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
     if is_empty(call):
-        out, lse = empty_result(call)
+        result = empty_result(call)
     elif implementation == "tiled" or (implementation == "auto" and _worth_tiling(call)):
-        out, lse = _flex_tiled(call, None, None, None)
+        result = _flex_tiled(call, None, None, None, want_top)
     else:
-        out, lse = _flex_reference(call)
-    return finish(call, out, lse, return_lse)
+        result = _flex_reference(call, want_top)
+    return finish(call, result, return_lse, aux)
 
 
 def flex_attention_tiled(
@@ -600,6 +645,7 @@ def flex_attention_tiled(
     enable_gqa: bool = False,
     return_lse: bool = False,
     *,
+    return_aux: AuxRequest | None = None,
     block_k: int | None = None,
     num_threads: int | None = None,
     stats: FlexStats | None = None,
@@ -608,8 +654,8 @@ def flex_attention_tiled(
 
     Parameters
     ----------
-    query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse
-        As in :func:`sdpa.flex_attention`.
+    query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, return_aux
+        As in :func:`sdpa.flex_attention` (``return_aux`` keyword-only).
     block_k : int, optional
         Keys per product: a block of query rows' non-empty key blocks are gathered and cut
         into pieces of at most this many keys (whole blocks, one at least), with an online
@@ -625,9 +671,11 @@ def flex_attention_tiled(
     Returns
     -------
     out : (B, Hq, T, Dv) np.ndarray
-        Alone, or first in ``(out, lse)``.
+        Alone, or first in ``(out, lse)`` or ``(out, aux)``.
     lse : (B, Hq, T) np.ndarray
         With ``return_lse``.
+    aux : AuxOutput
+        With ``return_aux``.
 
     Raises
     ------
@@ -659,9 +707,10 @@ def flex_attention_tiled(
         num_threads = check_positive_int(num_threads, "num_threads")
     if stats is not None and not isinstance(stats, FlexStats):
         raise TypeError(f"stats must be a FlexStats or None; got {type(stats).__name__}")
+    aux = check_aux(return_aux, return_lse)
     call = check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
     if is_empty(call):
-        out, lse = empty_result(call)
+        result = empty_result(call)
     else:
-        out, lse = _flex_tiled(call, block_k, num_threads, stats)
-    return finish(call, out, lse, return_lse)
+        result = _flex_tiled(call, block_k, num_threads, stats, aux is not None and aux.max_scores)
+    return finish(call, result, return_lse, aux)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,15 +21,84 @@ from ._checks import (
     ATTENTION_MASK_HINT,
     as_array,
     broadcasts_to,
+    check_bool,
     check_query_key_value,
     lse_dtype,
 )
 from .block_mask import FULL, PARTIAL, BlockMask, check_mod, evaluate_mask_mod, index_arrays
 from .problem import AttentionProblem, prepare_attention
 
-__all__: list[str] = []
+__all__ = ["AuxOutput", "AuxRequest"]
 
 SCORE_MOD_SIGNATURE = "score_mod(score, b, h, q_idx, kv_idx) -> array"
+
+
+class AuxRequest(NamedTuple):
+    """What :func:`sdpa.flex_attention` returns beside ``out`` when passed ``return_aux``.
+
+    Parameters
+    ----------
+    lse : bool, default False
+        The log-sum-exp of each row's modified, allowed scores.
+    max_scores : bool, default False
+        The largest modified, allowed score of each row.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa import AuxRequest, flex_attention
+    >>> x = np.eye(2).reshape(1, 1, 2, 2)  # (B, H, T, D): two orthogonal keys
+    >>> out, aux = flex_attention(x, x, x, scale=1.0, return_aux=AuxRequest(max_scores=True))
+    >>> aux.lse is None, aux.max_scores  # q . k is 1 against its own key, 0 against the other
+    (True, array([[[1., 1.]]]))
+    """
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """The auxiliary results of :func:`sdpa.flex_attention`: each array asked for by an
+    :class:`AuxRequest`, the others None.
+
+    Parameters
+    ----------
+    lse : (B, Hq, T) np.ndarray or None
+        Natural-log log-sum-exp of each row's modified, allowed scores; ``-inf`` for a row
+        with none.
+    max_scores : (B, Hq, T) np.ndarray or None
+        The largest modified, allowed score of each row, in natural units (as ``lse``);
+        ``-inf`` for a row with none.
+
+    Examples
+    --------
+    >>> from sdpa import AuxOutput
+    >>> AuxOutput()
+    AuxOutput(lse=None, max_scores=None)
+    """
+
+    lse: np.ndarray | None = None
+    max_scores: np.ndarray | None = None
+
+
+def check_aux(return_aux, return_lse: bool) -> AuxRequest | None:
+    """``return_aux`` checked: None or an :class:`AuxRequest` of two bools, not with
+    ``return_lse``."""
+    if return_aux is None:
+        return None
+    if not isinstance(return_aux, AuxRequest):
+        raise TypeError(
+            f"return_aux must be an sdpa.AuxRequest or None; got {type(return_aux).__name__}"
+        )
+    if return_lse:
+        raise ValueError(
+            "return_lse=True and return_aux ask for the lse twice: pass "
+            "return_aux=AuxRequest(lse=True) alone"
+        )
+    return AuxRequest(
+        check_bool(return_aux.lse, "return_aux.lse"),
+        check_bool(return_aux.max_scores, "return_aux.max_scores"),
+    )
 
 
 @dataclass(frozen=True)
@@ -162,16 +232,19 @@ def rows_reaching(call: FlexCall, flags: np.ndarray) -> np.ndarray:
     return reach
 
 
-def mark_non_finite(call: FlexCall, out: np.ndarray, lse: np.ndarray) -> None:
+def mark_non_finite(call: FlexCall, out: np.ndarray, lse: np.ndarray, top=None) -> None:
     """NaN in, NaN out: set to NaN the rows of ``out`` and ``lse`` (in place) whose query holds
     NaN or inf or that may attend such a key, and the rows of ``out`` that may attend such a
-    value, as :func:`sdpa.scaled_dot_product_attention` does (the inputs were zeroed there)."""
+    value, as :func:`sdpa.scaled_dot_product_attention` does (the inputs were zeroed there).
+    The row maxima ``top`` (or None), as ``lse``."""
     problem = call.problem
     T, S = problem.T, problem.S
+    stats = [lse] if top is None else [lse, top]
     bad_query = row_flags(problem.bad_query, call, T)
     if bad_query is not None:
         out[bad_query] = np.nan
-        lse[bad_query] = np.nan
+        for a in stats:
+            a[bad_query] = np.nan
     for bad, with_lse in ((problem.bad_key, True), (problem.bad_value, False)):
         flags = row_flags(bad, call, S)
         if flags is None:
@@ -179,23 +252,34 @@ def mark_non_finite(call: FlexCall, out: np.ndarray, lse: np.ndarray) -> None:
         reach = rows_reaching(call, flags)
         out[reach] = np.nan
         if with_lse:
-            lse[reach] = np.nan
+            for a in stats:
+                a[reach] = np.nan
 
 
 def is_empty(call: FlexCall) -> bool:
     return 0 in (call.B, call.Hq, call.problem.T, call.problem.S)
 
 
-def finish(call: FlexCall, out: np.ndarray, lse: np.ndarray, return_lse: bool):
-    """The caller's dtypes: ``out`` in the inputs' dtype, ``lse`` at least in float32."""
-    mark_non_finite(call, out, lse)
+def finish(call: FlexCall, result: tuple, return_lse: bool, aux: AuxRequest | None = None):
+    """The caller's results from ``(out, lse, top)`` (``top`` the row maxima, or None) in the
+    caller's dtypes: ``out`` in the inputs' dtype, ``lse`` and ``top`` at least in float32;
+    ``out``, ``(out, lse)`` or ``(out, AuxOutput)``."""
+    out, lse, top = result
+    mark_non_finite(call, out, lse, top)
     out = out.astype(call.problem.out_dtype, copy=False)
+    dtype = lse_dtype(call.problem.out_dtype)
+    if aux is not None:
+        return out, AuxOutput(
+            lse.astype(dtype, copy=False) if aux.lse else None,
+            top.astype(dtype, copy=False) if aux.max_scores else None,
+        )
     if not return_lse:
         return out
-    return out, lse.astype(lse_dtype(call.problem.out_dtype), copy=False)
+    return out, lse.astype(dtype, copy=False)
 
 
-def empty_result(call: FlexCall) -> tuple[np.ndarray, np.ndarray]:
+def empty_result(call: FlexCall) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(out, lse, top)`` of a call with no query, key, head or batch entry."""
     shape = (call.B, call.Hq, call.problem.T)
     out = np.zeros((*shape, call.problem.Dv), dtype=call.dtype)
-    return out, np.full(shape, -np.inf, dtype=call.dtype)
+    return out, np.full(shape, -np.inf, dtype=call.dtype), np.full(shape, -np.inf, call.dtype)

@@ -55,7 +55,10 @@ def _explicit(q, k, v, *, score_fn=None, allowed=None, scale=None):
 def test_names_are_public_and_signatures_follow_the_contract():
     for name in ("flex_attention", "create_block_mask", "BlockMask"):
         assert name in sdpa.__all__
-    params = list(inspect.signature(flex_attention).parameters)
+    # Section 1's parameters, in order; section 5 adds the keyword-only return_aux after them.
+    signature = inspect.signature(flex_attention).parameters.values()
+    params = [p.name for p in signature if p.kind is not p.KEYWORD_ONLY]
+    assert [p.name for p in signature if p.kind is p.KEYWORD_ONLY] == ["return_aux"]
     assert params == [
         "query",
         "key",
