@@ -64,16 +64,18 @@ REFERENCE_COST = MappingProxyType(
     )
 )
 # A key head read again by the next query heads of its group (one query row each, GQA
-# decoding) comes from the cache: a quarter of a first read's cost. One thread's CPU time of the
+# decoding) comes from the cache, at a share of a first read's cost that depends on whether the
+# key head (its keys and values) fits in the L2, CACHE_BYTES. One thread's CPU time of the
 # reference path (32 query heads, T = 1, width 64, float32) at S = 4096: 3.69 ms over 32 key
 # heads, 2.10 over 8, 1.32 over 1; at S = 16384 (a key head of 4 MiB, beyond the 2 MiB L2):
-# 18.7, 14.4 and 11.2 ms. In the model, 1/4 keeps the reference path for 32 query heads over 8
-# key heads at S = 4096 to 16384 and 64 over 8 at S = 2048 to 4096 (1.3 to 1.8 times as fast
-# as the tiled path the model had chosen) and tiles 32 over 1 and 64 over 4 at S = 16384 (4
-# to 10 times as fast); at 1/3 it tiles 64 over 8 at S = 4096 (1.28 times slower), at 1/10
-# it keeps 32 over 4 at S = 16384 (3.5 times slower, on a loaded machine).
-#: What a key head re-read from the cache costs, as a share of a first read (see ``io``).
-CACHED_READ = 0.25
+# 18.7, 14.4 and 11.2 ms; the fit below (T = 1, S = 2048 to 16384) puts the share at 0.12 to
+# 0.17 within the L2, 0.35 to 0.56 beyond. A single share of 1/4 (the earlier rule) kept the
+# reference path for 64 query heads over 8 at S = 16384, 1.13 to 1.18 times slower than the
+# tiled path in three runs of five; 0.45 tiles it, and still keeps 32 over 8 there (15.4
+# against 24.2 ms) and 64 over 8 at S = 2048 and 4096 (1.3 to 1.8 times as fast).
+#: What a key head re-read from the cache costs, as a share of a first read (see ``io``),
+#: while one key head's keys and values fit in ``CACHE_BYTES``, and beyond.
+CACHED_READ = MappingProxyType(dict(within_cache=0.15, beyond_cache=0.45))
 
 # With T > 1 query rows the products are matrix products, and BLAS packs its operands (reads
 # them and writes a copy) for each: a key entry costs more than a streamed read, and the next
@@ -83,9 +85,9 @@ CACHED_READ = 0.25
 # further reads, T = 1 and T > 1 apart), in streamed first reads (2.5e-4 us): a first packed
 # read 2.0 to 2.2 at S = 2048 and 4096 (a key head's keys and values, 1 and 2 MiB, within the
 # 2 MiB L2), 2.7 to 2.8 at S = 8192 and 16384; a further packed read 0.73 to 0.83 within L2,
-# 1.6 to 1.8 beyond (and a further streamed one, T = 1: 0.12 to 0.17 within, 0.35 to 0.56
-# beyond, CACHED_READ above standing between). At S = 2048, T = 2: 4.97 ms over 32 key heads,
-# 3.20 over 8, 2.68 over 1 (T = 1: 2.51, 1.28, 0.76); at S = 16384: 48.3, 39.6, 32.9.
+# 1.6 to 1.8 beyond (a further streamed one, T = 1: CACHED_READ). At S = 2048, T = 2: 4.97 ms
+# over 32 key heads, 3.20 over 8, 2.68 over 1 (T = 1: 2.51, 1.28, 0.76); at S = 16384: 48.3,
+# 39.6, 32.9.
 #: What a key entry packed for a matrix product (T > 1) costs, as a multiple of a streamed
 #: first read (see ``io``): the group's first head, then each further head while one key
 #: head's keys and values fit in ``CACHE_BYTES``, and beyond.
@@ -246,15 +248,21 @@ def _key_reads(problem: AttentionProblem) -> float:
     if problem.T > 1:
         # A product of T > 1 rows is a matrix product, which packs its keys anew each time:
         # the group's first head from memory, the others from the cache if the head fits.
-        fits = S * width * problem.work_dtype.itemsize <= CACHE_BYTES
-        again = PACKED_READ["again" if fits else "again_beyond_cache"]
+        again = PACKED_READ["again" if _cache(problem) == "within_cache" else "again_beyond_cache"]
         return S * width * (PACKED_READ["first"] + (G - 1) * again) / G
     if G == 1:
         return S * width
     # One row: NumPy's matmul hands it to BLAS's matrix-vector product, which streams the keys
     # unpacked; the G query heads of a group read the same keys one after the other, the
     # first from memory, the others from the cache, at CACHED_READ of that cost.
-    return S * width * (1 + (G - 1) * CACHED_READ) / G
+    return S * width * (1 + (G - 1) * CACHED_READ[_cache(problem)]) / G
+
+
+def _cache(problem: AttentionProblem) -> str:
+    """Whether one key head's keys and values fit in ``CACHE_BYTES``: ``"within_cache"`` or
+    ``"beyond_cache"``, the keys of ``CACHED_READ``."""
+    nbytes = problem.S * (problem.Dk + problem.Dv) * problem.work_dtype.itemsize
+    return "within_cache" if nbytes <= CACHE_BYTES else "beyond_cache"
 
 
 def worth_tiling(problem: AttentionProblem) -> bool:
