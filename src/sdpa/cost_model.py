@@ -19,10 +19,10 @@ from .threads import default_num_threads
 from .tiled import tile_plan_sizes
 
 __all__ = [
+    "CACHE_BYTES",
     "CACHED_READ",
     "MIN_TILED_SCORES",
     "PACKED_READ",
-    "CACHE_BYTES",
     "REFERENCE_COST",
     "TILED_COST",
     "estimated_times",
@@ -91,7 +91,7 @@ CACHED_READ = MappingProxyType(dict(within_cache=0.15, beyond_cache=0.45))
 #: What a key entry packed for a matrix product (T > 1) costs, as a multiple of a streamed
 #: first read (see ``io``): the group's first head, then each further head while one key
 #: head's keys and values fit in ``CACHE_BYTES``, and beyond.
-PACKED_READ = MappingProxyType(dict(first=2.3, again=0.75, again_beyond_cache=1.7))
+PACKED_READ = MappingProxyType(dict(first=2.3, within_cache=0.75, beyond_cache=1.7))
 #: The cache that holds a key head for the next heads of its group (L2 of one core).
 CACHE_BYTES = 2 << 20
 
@@ -227,7 +227,8 @@ def estimated_times(
     units, tiles, scores, num_threads = tiling_geometry(problem)
     c = TILED_COST if tiled_cost is None else tiled_cost
     # Python between NumPy's calls holds the GIL: the workers take turns at it (per unit, per
-    # tile), while the work inside NumPy's loops and products (per score) runs in parallel.
+    # tile), while the work inside NumPy's loops and products (per score, per key entry a tile
+    # reads) runs in parallel.
     overhead = c["unit"] * units + c["tile"] * max(0, tiles - units)
     key_reads = tiles * tile_plan_sizes(problem)[2] * width  # a partial last tile as a whole
     work = scores * (c["score"] + c["score_width"] * width) + c["io"] * key_reads
@@ -248,8 +249,7 @@ def _key_reads(problem: AttentionProblem) -> float:
     if problem.T > 1:
         # A product of T > 1 rows is a matrix product, which packs its keys anew each time:
         # the group's first head from memory, the others from the cache if the head fits.
-        again = PACKED_READ["again" if _cache(problem) == "within_cache" else "again_beyond_cache"]
-        return S * width * (PACKED_READ["first"] + (G - 1) * again) / G
+        return S * width * (PACKED_READ["first"] + (G - 1) * PACKED_READ[_cache(problem)]) / G
     if G == 1:
         return S * width
     # One row: NumPy's matmul hands it to BLAS's matrix-vector product, which streams the keys
@@ -260,7 +260,7 @@ def _key_reads(problem: AttentionProblem) -> float:
 
 def _cache(problem: AttentionProblem) -> str:
     """Whether one key head's keys and values fit in ``CACHE_BYTES``: ``"within_cache"`` or
-    ``"beyond_cache"``, the keys of ``CACHED_READ``."""
+    ``"beyond_cache"``, the keys of ``CACHED_READ`` and ``PACKED_READ``."""
     nbytes = problem.S * (problem.Dk + problem.Dv) * problem.work_dtype.itemsize
     return "within_cache" if nbytes <= CACHE_BYTES else "beyond_cache"
 
