@@ -47,7 +47,7 @@ def test_grouped_decoding_near_the_crossing_keeps_the_reference_path(two_cores, 
 
 def test_grouped_decoding_at_a_measured_tie_estimates_both_paths_alike(two_cores):
     # 32 over 8 key heads, T = 2, S = 4096: the reference path 1.01 to 1.12 times as fast as
-    # the tiled path in five interleaved runs (7.7 against 8.6 ms, 7.04 against 7.13): within
+    # the tiled path in nine interleaved runs (7.7 against 8.6 ms, 7.04 against 7.13): within
     # the 10 % that auto may lose, either way. The estimates must be as close.
     reference, tiled = estimated_times(grouped(32, 8, 2, 4096))
     np.testing.assert_allclose(tiled, reference, rtol=0.1)
