@@ -77,8 +77,9 @@ def threshold(rounds=7, idle=0.05):
 
 
 def auto_grid():
-    """(lead, T, S, d, causal) cases spanning many small heads to few large ones (T = S), and
-    decoding: one query or a few against a long cache, at batch 1 with 8 to 64 heads."""
+    """(lead, T, S, d, causal, kv_heads) cases spanning many small heads to few large ones
+    (T = S), and decoding: one query or a few against a long cache, at batch 1 with 8 to 64
+    heads, also grouped (``enable_gqa``: 32 or 64 query heads over 8 key heads, T = 1 to 8)."""
     cases = []
     for lead in [(1,), (4,), (16,), (64,), (256,), (1024,), (4096,), (20000,)]:
         for n in (4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
@@ -86,14 +87,18 @@ def auto_grid():
             if not (2**15 <= scores <= 2**24):
                 continue
             for d in (8, 64) if n >= 16 else (8,):
-                cases.append((lead, n, n, d, False))
+                cases.append((lead, n, n, d, False, None))
             if n >= 256:
-                cases.append((lead, n, n, 64, True))
+                cases.append((lead, n, n, 64, True, None))
     for heads in (8, 32, 64):
         for T in (1, 4, 16, 64):
             for S in (512, 2048, 8192, 16384):
                 if heads * T * S <= 2**24:
-                    cases.append(((1, heads), T, S, 64, False))
+                    cases.append(((1, heads), T, S, 64, False, None))
+    for heads in (32, 64):
+        for T in (1, 2, 4, 8):
+            for S in (512, 2048, 4096, 16384):
+                cases.append(((1, heads), T, S, 64, False, 8))
     return cases
 
 
@@ -111,23 +116,23 @@ def _nnls(A, b, iterations=20):
 
 
 def _features(problem):
-    """The terms of ``sdpa.cost_model.estimated_times``, per path, for one problem."""
-    from sdpa.cost_model import tiling_geometry
+    """The terms of ``sdpa.cost_model.estimated_times``, per path, for one problem: the model
+    itself, with one constant at 1 and the others at 0 (so the fit follows its geometry, GQA's
+    shared key reads included)."""
+    from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times
 
-    T, S = problem.T, problem.S
-    matrices = int(np.prod(problem.batch_shape))
-    width = problem.Dk + problem.Dv
-    masked = problem.allowed is not None or problem.band != (None, None)
-    units, tiles, scores, threads = tiling_geometry(problem)
+    def one_hot(costs, key):
+        return {k: float(k == key) for k in costs}
+
+    zero_ref, zero_til = one_hot(REFERENCE_COST, None), one_hot(TILED_COST, None)
     reference = [
-        1.0,
-        matrices,
-        matrices * (T + S) * width,
-        matrices * T * S,
-        matrices * T * S * width,
-        matrices * T * S * masked,
+        estimated_times(problem, reference_cost=one_hot(REFERENCE_COST, k), tiled_cost=zero_til)[0]
+        for k in REFERENCE_COST
     ]
-    tiled = [1.0, units, max(0, tiles - units), scores / threads, scores * width / threads]
+    tiled = [
+        estimated_times(problem, reference_cost=zero_ref, tiled_cost=one_hot(TILED_COST, k))[1]
+        for k in TILED_COST
+    ]
     return reference, tiled
 
 
@@ -139,10 +144,12 @@ def auto(rounds=5, dtype=np.float32, idle=0.15):
     the tiled path's workers), taking turns round after round with ``idle`` seconds before
     each call (the benchmark's pause), and each keeps its best round. The model is linear in
     its constants: for the reference path a cost per call, per ``(T, S)`` matrix, per input
-    entry read, per score, per score and unit of width, per masked score; for the tiled path a
-    cost per call, per work unit and per further tile (Python between NumPy's calls, which
-    holds the GIL: not shared by the workers) and per computed score and per score and unit of
-    width (inside NumPy, shared by the workers). Least squares on relative errors, constants
+    entry read (packed keys, and those a GQA group shares, weighted as the model weighs them),
+    per score, per score and unit of width, per masked score; for the tiled path a cost per
+    call, per work unit and per further tile (Python between NumPy's calls, which holds the
+    GIL: not shared by the workers) and per computed score, per score and unit of width and per
+    key and value entry a tile reads (inside NumPy, shared by the workers). The grid includes
+    grouped-query decoding (32 and 64 query heads over 8 key heads, T = 1 to 8). Least squares on relative errors, constants
     kept non-negative. Wall time moves with the machine and its load: run it on an idle
     machine, and state which.
     """
@@ -151,9 +158,12 @@ def auto(rounds=5, dtype=np.float32, idle=0.15):
     from sdpa.tiled import attention_tiled
 
     rows = []
-    for lead, T, n, d, is_causal in auto_grid():
-        q, k, v = (rng.standard_normal((*lead, t, d)).astype(dtype) for t in (T, n, n))
-        problem = prepare_attention(q, k, v, None, is_causal)
+    for lead, T, n, d, is_causal, kv_heads in auto_grid():
+        kv_lead = lead if kv_heads is None else (*lead[:-1], kv_heads)
+        q = rng.standard_normal((*lead, T, d)).astype(dtype)
+        k, v = (rng.standard_normal((*kv_lead, n, d)).astype(dtype) for _ in range(2))
+        gqa = kv_heads is not None
+        problem = prepare_attention(q, k, v, None, is_causal, enable_gqa=gqa)
         paths = {
             "reference": lambda p=problem: attention_reference(p),
             "tiled": lambda p=problem: attention_tiled(p),
@@ -170,20 +180,20 @@ def auto(rounds=5, dtype=np.float32, idle=0.15):
         ref_x, til_x = _features(problem)
         rows.append(
             dict(
-                lead=lead,
+                lead=lead if kv_heads is None else f"{lead}/{kv_heads}",
                 T=T,
                 n=n,
                 d=d,
                 causal=is_causal,
                 problem=problem,
                 ref_x=ref_x,
-                til_x=til_x,
+                tiled_x=til_x,
                 ref=1e6 * best["reference"],
                 tiled=1e6 * best["tiled"],
             )
         )
         print(
-            f"{str(lead):9} T={T:5} S={n:5} d={d:3} causal={is_causal!s:5}: wall reference "
+            f"{str(lead):9} kv={kv_heads!s:4} T={T:5} S={n:5} d={d:3} causal={is_causal!s:5}: wall reference "
             f"{best['reference'] * 1e3:9.2f} ms, tiled {best['tiled'] * 1e3:9.2f} ms",
             flush=True,
         )
@@ -197,8 +207,8 @@ def auto(rounds=5, dtype=np.float32, idle=0.15):
         print(f"{key}: model / measured: median {mid:.2f}, 10 % to 90 %: {low:.2f} to {high:.2f}")
         return dict(zip(names, (float(f"{c:.3g}") for c in x)))
 
-    fitted_ref = fit("ref", ["call", "matrix", "io", "score", "score_width", "masked"])
-    fitted_til = fit("tiled", ["call", "unit", "tile", "score", "score_width"])
+    fitted_ref = fit("ref", list(REFERENCE_COST))
+    fitted_til = fit("tiled", list(TILED_COST))
     print("REFERENCE_COST =", fitted_ref)
     print("TILED_COST =", fitted_til)
 

@@ -6,8 +6,8 @@ Both rules live here, side by side: :func:`worth_tiling` for
 
 :func:`worth_tiling` is the rule that :func:`sdpa.scaled_dot_product_attention` and its
 backward both follow; :func:`estimated_times` predicts the wall time of the reference path and
-of the tiled path from the shapes alone (scores, head widths, and the number of tiles and work
-units of :func:`tiling_geometry`, each with its fixed cost), with the constants
+of the tiled path from the shapes alone (scores, head widths, keys read, and the number of
+tiles and work units of :func:`tiling_geometry`, each with its fixed cost), with the constants
 ``REFERENCE_COST`` and ``TILED_COST`` fitted by ``benchmarks/tune.py auto``.
 """
 
@@ -24,11 +24,13 @@ from .tiles.band import head_groups, tile_plan_sizes
 from .tiles.blocks import unit_count
 
 __all__ = [
+    "CACHE_BYTES",
     "CACHED_READ",
     "DECODING_GROUP",
     "FLEX_MIN_TILED_SCORES",
     "MIN_TILED_SCORES",
     "MIN_UNIT_SCORES",
+    "PACKED_READ",
     "REFERENCE_COST",
     "TILED_COST",
     "estimated_times",
@@ -71,20 +73,45 @@ REFERENCE_COST = MappingProxyType(
     )
 )
 # A key head read again by the next query heads of its group (one query row each, GQA
-# decoding) comes from the cache: a quarter of a first read's cost. One thread's CPU time of the
+# decoding) comes from the cache, at a share of a first read's cost that depends on whether the
+# key head (its keys and values) fits in the L2, CACHE_BYTES. One thread's CPU time of the
 # reference path (32 query heads, T = 1, width 64, float32) at S = 4096: 3.69 ms over 32 key
 # heads, 2.10 over 8, 1.32 over 1; at S = 16384 (a key head of 4 MiB, beyond the 2 MiB L2):
-# 18.7, 14.4 and 11.2 ms. In the model, 1/4 keeps the reference path for 32 query heads over 8
-# key heads at S = 4096 to 16384 and 64 over 8 at S = 2048 to 4096 (1.3 to 1.8 times as fast
-# as the tiled path the model had chosen) and tiles 32 over 1 and 64 over 4 at S = 16384 (4
-# to 10 times as fast); at 1/3 it tiles 64 over 8 at S = 4096 (1.28 times slower), at 1/10
-# it keeps 32 over 4 at S = 16384 (3.5 times slower, on a loaded machine).
-#: What a key head re-read from the cache costs, as a share of a first read (see ``io``).
-CACHED_READ = 0.25
+# 18.7, 14.4 and 11.2 ms; the fit below (T = 1, S = 2048 to 16384) puts the share at 0.12 to
+# 0.17 within the L2, 0.35 to 0.56 beyond. A single share of 1/4 (the earlier rule) kept the
+# reference path for 64 query heads over 8 at S = 16384, 1.13 to 1.18 times slower than the
+# tiled path in three runs of five; 0.45 tiles it, and still keeps 32 over 8 there (15.4
+# against 24.2 ms) and 64 over 8 at S = 2048 and 4096 (1.3 to 1.8 times as fast).
+#: What a key head re-read from the cache costs, as a share of a first read (see ``io``),
+#: while one key head's keys and values fit in ``CACHE_BYTES``, and beyond.
+CACHED_READ = MappingProxyType(dict(within_cache=0.15, beyond_cache=0.45))
 
+# With T > 1 query rows the products are matrix products, and BLAS packs its operands (reads
+# them and writes a copy) for each: a key entry costs more than a streamed read, and the next
+# query heads of a group pack the same key head again, from the cache if it fits there. One
+# thread's CPU time of the reference path, 32 query heads of width 64 over 32, 8, 4 and 1 key
+# heads, T = 1, 2, 4, 8 (float32, OpenBLAS), fitted per score and per key entry (first and
+# further reads, T = 1 and T > 1 apart), in streamed first reads (2.5e-4 us): a first packed
+# read 2.0 to 2.2 at S = 2048 and 4096 (a key head's keys and values, 1 and 2 MiB, within the
+# 2 MiB L2), 2.7 to 2.8 at S = 8192 and 16384; a further packed read 0.73 to 0.83 within L2,
+# 1.6 to 1.8 beyond (a further streamed one, T = 1: CACHED_READ). At S = 2048, T = 2: 4.97 ms
+# over 32 key heads, 3.20 over 8, 2.68 over 1 (T = 1: 2.51, 1.28, 0.76); at S = 16384: 48.3,
+# 39.6, 32.9.
+#: What a key entry packed for a matrix product (T > 1) costs, as a multiple of a streamed
+#: first read (see ``io``): the group's first head, then each further head while one key
+#: head's keys and values fit in ``CACHE_BYTES``, and beyond.
+PACKED_READ = MappingProxyType(dict(first=2.3, within_cache=0.75, beyond_cache=1.7))
+#: The cache that holds a key head for the next heads of its group (L2 of one core).
+CACHE_BYTES = 2 << 20
+
+# A tile of few rows (decoding, GQA's G heads of T rows folded) costs mostly the reading of
+# its keys and values: one thread's CPU time of the tiled path, 32 query heads over 8 key
+# heads, T = 1 (4 rows per tile), S = 4096 and 16384: 42 to 46 us per tile of 512 keys at
+# Dk = Dv = 64, 15 to 19 us at 16, that is 4.7e-4 us per entry of Dk + Dv read, as the
+# reference path's packed read (PACKED_READ); at T = 128 a tile costs 690 us, the products.
 #: The tiled path's costs, in microseconds: per call, per work unit, per further tile, per
-#: computed score, per computed score and unit of ``Dk + Dv`` (the last two shared by the
-#: worker threads).
+#: computed score, per computed score and unit of ``Dk + Dv``, per key and value entry a tile
+#: reads (the last three shared by the worker threads).
 TILED_COST = MappingProxyType(
     dict(
         call=2060.0,  # validation, the plan, starting the worker threads on cold cores
@@ -92,6 +119,7 @@ TILED_COST = MappingProxyType(
         tile=44.6,  # per further tile: the NumPy calls' dispatch (holds the GIL)
         score=0.00114,  # per computed score: exp and the row sums
         score_width=0.0000186,  # per computed score and unit of Dk + Dv: the products
+        io=0.00047,  # per entry of the keys and values a tile reads: packing them
     )
 )
 
@@ -171,8 +199,12 @@ def estimated_times(
     Notes
     -----
     With one query row, query heads that share a key head (``enable_gqa``) read it from memory
-    once and from the cache after that (``CACHED_READ``); a tiled call of a single work unit
-    starts no worker threads and pays the reference path's ``call`` cost.
+    once and from the cache after that (``CACHED_READ``); with several, each head's products
+    pack the keys and values, at a higher cost that a shared key head lowers less
+    (``PACKED_READ``, by whether it fits in ``CACHE_BYTES``). The tiled path pays for the keys
+    and values each of its tiles reads (``TILED_COST["io"]``), which dominates tiles of few
+    rows. A tiled call of a single work unit starts no worker threads and pays the reference
+    path's ``call`` cost.
 
     Examples
     --------
@@ -204,9 +236,11 @@ def estimated_times(
     units, tiles, scores, num_threads = tiling_geometry(problem)
     c = TILED_COST if tiled_cost is None else tiled_cost
     # Python between NumPy's calls holds the GIL: the workers take turns at it (per unit, per
-    # tile), while the work inside NumPy's loops and products (per score) runs in parallel.
+    # tile), while the work inside NumPy's loops and products (per score, per key entry a tile
+    # reads) runs in parallel.
     overhead = c["unit"] * units + c["tile"] * max(0, tiles - units)
-    work = scores * (c["score"] + c["score_width"] * width)
+    key_reads = tiles * tile_plan_sizes(problem)[2] * width  # a partial last tile as a whole
+    work = scores * (c["score"] + c["score_width"] * width) + c["io"] * key_reads
     # One thread starts no workers (a single unit, as with one key head): its call costs what
     # the reference path's does. Hq = 32 query heads over one key head, T = 1, S = 4096: the
     # tiled path took 1.39 to 1.57 ms, the model with the workers' start said 2.9 ms.
@@ -216,18 +250,28 @@ def estimated_times(
 
 def _key_reads(problem: AttentionProblem) -> float:
     """Entries of the keys and values that the reference path's products read per ``(T, S)``
-    matrix, in units of a first read (from memory): ``S (Dk + Dv)``, or less when one query
-    row meets keys that the matrix before it read.
+    matrix, in units of a streamed first read (from memory): ``S (Dk + Dv)`` for one query row,
+    less when the matrix before it read the same keys, more for several rows (packing).
     """
     S, width = problem.S, problem.Dk + problem.Dv
     G = tile_plan_sizes(problem)[0]  # consecutive matrices that share their keys (GQA's group)
-    if problem.T > 1 or G == 1:
-        # A product of T > 1 rows is a matrix product, which packs its keys anew each time.
+    if problem.T > 1:
+        # A product of T > 1 rows is a matrix product, which packs its keys anew each time:
+        # the group's first head from memory, the others from the cache if the head fits.
+        return S * width * (PACKED_READ["first"] + (G - 1) * PACKED_READ[_cache(problem)]) / G
+    if G == 1:
         return S * width
     # One row: NumPy's matmul hands it to BLAS's matrix-vector product, which streams the keys
     # unpacked; the G query heads of a group read the same keys one after the other, the
     # first from memory, the others from the cache, at CACHED_READ of that cost.
-    return S * width * (1 + (G - 1) * CACHED_READ) / G
+    return S * width * (1 + (G - 1) * CACHED_READ[_cache(problem)]) / G
+
+
+def _cache(problem: AttentionProblem) -> str:
+    """Whether one key head's keys and values fit in ``CACHE_BYTES``: ``"within_cache"`` or
+    ``"beyond_cache"``, the keys of ``CACHED_READ`` and ``PACKED_READ``."""
+    nbytes = problem.S * (problem.Dk + problem.Dv) * problem.work_dtype.itemsize
+    return "within_cache" if nbytes <= CACHE_BYTES else "beyond_cache"
 
 
 def worth_tiling(problem: AttentionProblem) -> bool:
