@@ -337,7 +337,7 @@ def _make_plan(
         Dk=Dk,
         Dv=Dv,
         G=G,
-        n=heads_per_unit(problem, G, block_q, outer),
+        n=heads_per_unit(problem, G, block_q, outer, num_threads),
         block_q=int(block_q),
         block_k=int(block_k),
         dtype=dtype,

@@ -34,6 +34,7 @@ __all__ = [
     "PLAN_CACHE_BYTES",
     "RENORMALISE_LSE",
     "RENORMALISE_RMS",
+    "SHORT_CALL_SCORES",
     "UNIT_SCORES",
     "VALUE_FLOOR_BITS",
     "svml_exp2",
@@ -57,6 +58,18 @@ BLOCK_ROWS = MappingProxyType({_F32: 256, _F64: 256})
 BLOCK_ROWS_FULL = MappingProxyType({_F32: 1024, _F64: 1024})
 #: Keys per tile, by working dtype.
 BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
+
+# Short rows (decoding: a few query rows per head) make short units, whose Python between
+# NumPy's calls holds the GIL: the dense path folds several heads into one unit, its products
+# batched over them. Grouped-query decoding, 32 query heads over 8 key heads, width 64, float32,
+# two threads (2-core Xeon, Sapphire Rapids; medians of 15 interleaved rounds, on a loaded
+# machine): at T = 2, S = 4096 a unit per key head took 5.1 ms, all 8 in one unit 3.5 (the
+# reference path 5.1); at T = 4, S = 2048 6.5 and 2.5 ms (reference 3.4); one unit per thread
+# (4 heads each) took 4.4 and 5.2 ms, the threads' start not paid back by calls of 2**18
+# scores. At 64 over 8 key heads, T = 16, S = 16384 (2**24 scores) one unit per thread took
+# 39 ms, one unit 62 and a unit per head 60.
+#: Calls of short rows holding at most this many scores run all their heads in one unit.
+SHORT_CALL_SCORES = 1 << 20
 
 # -- the units and pieces of flex's tiled path (sdpa.flex, sdpa.tiles.blocks) --------------
 

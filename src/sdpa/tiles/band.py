@@ -18,7 +18,14 @@ import numpy as np
 from ..block_mask import EMPTY, FULL, PARTIAL
 from ..problem import AttentionProblem
 from ..threads import default_num_threads
-from ..tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL, MIN_UNITS, UNIT_SCORES
+from ..tuning import (
+    BLOCK_K,
+    BLOCK_ROWS,
+    BLOCK_ROWS_FULL,
+    MIN_UNITS,
+    SHORT_CALL_SCORES,
+    UNIT_SCORES,
+)
 
 __all__: list[str] = []
 
@@ -136,19 +143,38 @@ def unmasked_rows(dtype: np.dtype, T: int, G: int, outer: int, num_threads: int 
     return max(rows, min(BLOCK_ROWS_FULL.get(dtype, rows), rows_per_block))
 
 
-def heads_per_unit(problem: AttentionProblem, G: int, block_q: int, outer: tuple[int, ...]) -> int:
+def heads_per_unit(
+    problem: AttentionProblem, G: int, block_q: int, outer: tuple[int, ...], num_threads=None
+) -> int:
     """Entries of the last outer axis (heads, each with its ``G`` folded query heads) that one
-    unit takes: several under a causal mask or a window, whose units are short blocks of rows
-    (a unit costs tens of microseconds of Python, during which another worker may wait for the
-    GIL), within ``UNIT_SCORES`` scores and leaving ``MIN_UNITS`` units; one without a band,
-    whose units are long already. Depends on the shapes alone."""
-    if problem.band == (None, None) or not outer:
+    unit takes. A unit costs tens of microseconds of Python between NumPy's calls, during which
+    another worker may wait for the GIL, so short units are folded together:
+
+    * rows shorter than ``BLOCK_ROWS`` (decoding, a few queries per head): all the heads in one
+      unit when the call holds at most ``SHORT_CALL_SCORES`` scores, else as many as leave
+      each of the ``num_threads`` threads one unit, within ``BLOCK_ROWS_FULL`` rows;
+    * under a causal mask or a window, whose units are blocks of rows of varying length:
+      within ``UNIT_SCORES`` scores, leaving ``MIN_UNITS`` units;
+    * otherwise one: the units are long already.
+
+    Depends on the shapes (and the thread count) alone.
+    """
+    if not outer:
+        return 1
+    heads, dtype = outer[-1], problem.work_dtype
+    rows = G * min(problem.T, block_q)  # a unit's rows for one head
+    if rows < BLOCK_ROWS.get(dtype, 128):
+        if int(np.prod(outer, dtype=np.int64)) * rows * problem.S <= SHORT_CALL_SCORES:
+            return heads
+        threads = num_threads or default_num_threads()
+        return int(max(1, min(-(-heads // threads), BLOCK_ROWS_FULL.get(dtype, 1024) // rows)))
+    if problem.band == (None, None):
         return 1
     n_q = -(-problem.T // block_q)
     units = n_q * int(np.prod(outer, dtype=np.int64))
     most = max(1, units // MIN_UNITS)
     per_head = max(1, G * block_q * problem.S)  # scores of a unit of one head, at most
-    return int(max(1, min(outer[-1], most, UNIT_SCORES // per_head)))
+    return int(max(1, min(heads, most, UNIT_SCORES // per_head)))
 
 
 def unit_outer(problem: AttentionProblem, G: int) -> tuple[int, ...]:
@@ -158,9 +184,9 @@ def unit_outer(problem: AttentionProblem, G: int) -> tuple[int, ...]:
     return (bs[:-1] if G > 1 else bs) or (1,)
 
 
-def head_groups(problem: AttentionProblem, G: int, block_q: int) -> int:
+def head_groups(problem: AttentionProblem, G: int, block_q: int, num_threads=None) -> int:
     """Units per block of query rows: the outer entries, ``heads_per_unit`` of the last outer
     axis to a unit."""
     outer = unit_outer(problem, G)
-    n = heads_per_unit(problem, G, block_q, outer)
+    n = heads_per_unit(problem, G, block_q, outer, num_threads)
     return int(np.prod(outer[:-1], dtype=np.int64)) * -(-outer[-1] // n)
