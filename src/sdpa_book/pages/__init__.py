@@ -19,6 +19,12 @@ kv_quant
     *Quantised KV caches* (``book/measured/quantised-kv-cache.md``):
     :func:`~sdpa_book.pages.kv_quant.quantise` and :func:`~sdpa_book.pages.kv_quant.dequantise`,
     integer keys and values with per-channel or per-token scales.
+serving
+    Part IX, *Serving the model* (``book/serving/``): arrival traces and fixed batches
+    (:func:`~sdpa_book.pages.serving.arrival_trace`,
+    :func:`~sdpa_book.pages.serving.static_batching`), the timeline of an engine's steps
+    (:func:`~sdpa_book.pages.serving.serve_trace`) and a model of SGLang's radix-tree cache
+    (:class:`~sdpa_book.pages.serving.RadixCache`).
 stability
     *QK-norm and soft-capping* (``book/measured/qk-norm.md``): what the page records while a model
     trains, attention logits and entropies.
