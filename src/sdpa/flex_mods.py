@@ -25,7 +25,11 @@ FlexAttention on the scalar tensors it traces. Where a mod reads a table (the sl
 :func:`alibi`, the documents of :func:`document`, a tree's ancestors) it takes the table on
 the indices' side: the NumPy array for NumPy indices, ``index.new_tensor(table)`` for torch
 (made on every call, in the dtype of the indices for an integer table and of the scores
-for a float one: eager PyTorch pays for it, a compiled mod captures it once). The
+for a float one). That runs in PyTorch's eager ``flex_attention`` and in its
+``create_block_mask``, but not under ``torch.compile`` on the CPU (PyTorch 2.13's inductor
+rejects a tensor made inside the mod): for a compiled kernel, make the table a tensor once,
+outside, and close over it (the programmable-attention page shows the recipe; a test pins
+the failure). The
 ``tanh`` of :func:`tanh_softcap` is the one function the two spell differently
 (``np.tanh(x)`` against ``x.tanh()``): it picks by the score's type.
 
