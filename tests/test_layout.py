@@ -129,7 +129,9 @@ def outside_files(*where: str) -> list[Path]:
 def parse(path: Path) -> ast.Module:
     code = code_of(path)
     # A book cell may hold IPython syntax (%magic, !command): blank those lines out.
-    code = re.sub(r"^\s*[%!].*$", "", code, flags=re.MULTILINE)
+    code = re.sub(
+        r"^\s*(%|!(?!=)).*$", "", code, flags=re.MULTILINE
+    )  # not a line that opens with !=
     return ast.parse(code)
 
 

@@ -758,16 +758,15 @@ def test_base_e_and_base_2_both_give_the_reference(rng, exp, dtype, kind):
 
 @pytest.mark.parametrize("size, retried", [(1.0, 0), (6.0, 24)])
 def test_a_unit_that_fails_the_shift_zero_wastes_at_most_its_first_tile(rng, size, retried):
-    # 6 heads of 64 queries in blocks of 16, one key tile each: 24 tiles, in 4 units (a call of
-    # short rows and 6 * 64 * 64 scores folds its 6 heads into one unit per block of rows, see
-    # sdpa.tuning.SHORT_CALL_SCORES). With scores of size 1 the shift 0 always holds; with
-    # scores of size about 36 every tile fails the lazy step (counted, per head, in `retried`)
-    # and takes the exact step, each unit on its own.
+    # 6 heads of 64 queries in blocks of 16: 24 units, one key tile each (64 keys, shorter than
+    # a tile: short rows are not folded, see sdpa.tiles.band.heads_per_unit). With scores of
+    # size 1 the shift 0 always holds; with scores of size about 36 every unit's first tile
+    # fails the lazy step (counted in `retried`) and takes the exact step, each on its own.
     q, k, v = (size * rng.standard_normal((6, 64, 8)) for _ in range(3))
     stats = TileStats()
     problem = prepare_attention(q, k, v)
     out, lse = attention_tiled(problem, block_q=16, block_k=64, num_threads=1, stats=stats)
-    assert (stats.units, stats.computed, stats.retried) == (4, 24, retried)
+    assert (stats.units, stats.computed, stats.retried) == (24, 24, retried)
     assert stats.rescaled == (0 if size == 1.0 else 24)
     assert_same(problem.finish(out, lse=lse), reference(q, k, v))
 

@@ -150,9 +150,11 @@ def heads_per_unit(
     unit takes. A unit costs tens of microseconds of Python between NumPy's calls, during which
     another worker may wait for the GIL, so short units are folded together:
 
-    * rows shorter than ``BLOCK_ROWS`` (decoding, a few queries per head): all the heads in one
-      unit when the call holds at most ``SHORT_CALL_SCORES`` scores, else as many as leave
-      each of the ``num_threads`` threads one unit, within ``BLOCK_ROWS_FULL`` rows;
+    * rows shorter than ``BLOCK_ROWS`` against a key tile or more (decoding, a few queries per
+      head of a long cache): all the heads in one unit when the call holds at most
+      ``SHORT_CALL_SCORES`` scores, else as many as leave each of the ``num_threads`` threads
+      one unit, within ``BLOCK_ROWS_FULL`` rows (many heads of a few keys each stay apart:
+      one short tile each, where the reference path's batched products are the faster);
     * under a causal mask or a window, whose units are blocks of rows of varying length:
       within ``UNIT_SCORES`` scores, leaving ``MIN_UNITS`` units;
     * otherwise one: the units are long already.
@@ -163,7 +165,7 @@ def heads_per_unit(
         return 1
     heads, dtype = outer[-1], problem.work_dtype
     rows = G * min(problem.T, block_q)  # a unit's rows for one head
-    if rows < BLOCK_ROWS.get(dtype, 128):
+    if rows < BLOCK_ROWS.get(dtype, 128) and problem.S >= BLOCK_K.get(dtype, 512):
         if int(np.prod(outer, dtype=np.int64)) * rows * problem.S <= SHORT_CALL_SCORES:
             return heads
         threads = num_threads or default_num_threads()
