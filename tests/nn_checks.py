@@ -8,6 +8,7 @@ The tests import it as ``nn_checks`` (``tests/conftest.py`` puts this folder on 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sdpa import nn
 
@@ -23,6 +24,30 @@ def central_difference(model, tokens, targets, name, direction, eps=1e-6):
         losses.append(nn.cross_entropy(model.forward(tokens), targets))
     p[...] = saved
     return (losses[0] - losses[1]) / (2 * eps)
+
+
+def assert_grads_match_differences(model, tokens, targets, entries) -> None:
+    """``model.loss_and_grads`` against the forward pass: the loss equal to the cross-entropy of
+    ``forward``, and each parameter's gradient against central differences, entry by entry
+    (``entries(name) = (all_up_to, sampled)``: every entry of a parameter of at most
+    ``all_up_to`` entries, else ``sampled`` random ones) and along one random direction."""
+    loss, grads = model.loss_and_grads(tokens, targets)
+    assert loss == pytest.approx(nn.cross_entropy(model.forward(tokens), targets), rel=1e-14)
+    assert list(grads) == list(model.params)
+    pick = np.random.default_rng(1)
+    for name, g in grads.items():
+        p = model.params[name]
+        assert g.shape == p.shape and g.dtype == np.float64, name
+        all_up_to, sampled = entries(name)
+        chosen = range(p.size) if p.size <= all_up_to else pick.choice(p.size, sampled, False)
+        for flat in chosen:
+            e = np.zeros(p.size)
+            e[flat] = 1.0
+            numeric = central_difference(model, tokens, targets, name, e.reshape(p.shape))
+            assert g.flat[flat] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, flat)
+        u = pick.standard_normal(p.shape)
+        numeric = central_difference(model, tokens, targets, name, u)
+        assert np.sum(g * u) == pytest.approx(numeric, rel=1e-6, abs=1e-8), name
 
 
 # Every dimension a different size, so that a swapped axis cannot pass: leading (2, 3), features

@@ -49,7 +49,8 @@ a CPU, where every NumPy call is a full pass over a tile (the tunables are in
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
   entirely inside it are not masked; only the blocks the band's edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
-  share a key/value head folded in, so each key tile is loaded once for the whole group) are
+  share a key/value head folded in, so each key tile is loaded once for the whole group; of
+  several heads, their products batched, when the units are short) are
   shared out among threads started for the call (:func:`sdpa.threads.run_in_threads`), with
   BLAS held to one thread: NumPy releases the GIL inside matrix products and ufunc loops, so
   the threads run in parallel, and BLAS's own threading parallelises each small product badly.

@@ -18,14 +18,8 @@ import numpy as np
 from ..block_mask import EMPTY, FULL, PARTIAL
 from ..problem import AttentionProblem
 from ..threads import default_num_threads
-from ..tuning import (
-    BLOCK_K,
-    BLOCK_ROWS,
-    BLOCK_ROWS_FULL,
-    MIN_UNITS,
-    SHORT_CALL_SCORES,
-    UNIT_SCORES,
-)
+from ..tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL, SHORT_CALL_SCORES
+from .blocks import key_heads_per_unit
 
 __all__: list[str] = []
 
@@ -155,8 +149,9 @@ def heads_per_unit(
       ``SHORT_CALL_SCORES`` scores, else as many as leave each of the ``num_threads`` threads
       one unit, within ``BLOCK_ROWS_FULL`` rows (many heads of a few keys each stay apart:
       one short tile each, where the reference path's batched products are the faster);
-    * under a causal mask or a window, whose units are blocks of rows of varying length:
-      within ``UNIT_SCORES`` scores, leaving ``MIN_UNITS`` units;
+    * under a causal mask or a window, whose units are blocks of rows of varying length: as
+      flex folds key heads (``key_heads_per_unit``: within ``UNIT_SCORES`` scores, leaving
+      ``MIN_UNITS`` units);
     * otherwise one: the units are long already.
 
     Depends on the shapes (and the thread count) alone.
@@ -172,11 +167,9 @@ def heads_per_unit(
         return int(max(1, min(-(-heads // threads), BLOCK_ROWS_FULL.get(dtype, 1024) // rows)))
     if problem.band == (None, None):
         return 1
-    n_q = -(-problem.T // block_q)
-    units = n_q * int(np.prod(outer, dtype=np.int64))
-    most = max(1, units // MIN_UNITS)
-    per_head = max(1, G * block_q * problem.S)  # scores of a unit of one head, at most
-    return int(max(1, min(heads, most, UNIT_SCORES // per_head)))
+    # flex's rule for a mask that does not depend on the head, a row of one block of S keys
+    n_q, lead = -(-problem.T // block_q), int(np.prod(outer[:-1], dtype=np.int64))
+    return int(key_heads_per_unit(lead, heads, G, n_q, np.array(1), block_q, problem.S))
 
 
 def unit_outer(problem: AttentionProblem, G: int) -> tuple[int, ...]:

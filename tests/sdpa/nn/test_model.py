@@ -14,7 +14,7 @@ import copy
 import numpy as np
 import pytest
 from nn_checks import LM_CONFIGS as CONFIGS
-from nn_checks import LM_SIZES, central_difference, make_model
+from nn_checks import LM_SIZES, assert_grads_match_differences, make_model
 
 from sdpa import nn
 
@@ -37,24 +37,7 @@ def batch(rng):
 def test_loss_and_grads_match_finite_differences(config, batch):
     """Every parameter: entries one at a time (all of them for small arrays, 6 random ones
     otherwise) and one random direction through the whole array."""
-    model = make_model(**config)
-    tokens, targets = batch
-    loss, grads = model.loss_and_grads(tokens, targets)
-    assert loss == pytest.approx(nn.cross_entropy(model.forward(tokens), targets), rel=1e-14)
-    assert list(grads) == list(model.params)
-    pick = np.random.default_rng(1)
-    for name, g in grads.items():
-        p = model.params[name]
-        assert g.shape == p.shape and g.dtype == np.float64, name
-        entries = range(p.size) if p.size <= 8 else pick.choice(p.size, 6, replace=False)
-        for flat in entries:
-            e = np.zeros(p.size)
-            e[flat] = 1.0
-            numeric = central_difference(model, tokens, targets, name, e.reshape(p.shape))
-            assert g.flat[flat] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, flat)
-        u = pick.standard_normal(p.shape)
-        numeric = central_difference(model, tokens, targets, name, u)
-        assert np.sum(g * u) == pytest.approx(numeric, rel=1e-6, abs=1e-8), name
+    assert_grads_match_differences(make_model(**config), *batch, lambda name: (8, 6))
 
 
 def test_every_parameter_gets_a_gradient(batch):

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 import pytest
-from nn_checks import central_difference
+from nn_checks import assert_grads_match_differences
 
 from sdpa import nn
 
@@ -101,25 +101,8 @@ def is_new(name: str) -> bool:
 def test_loss_and_grads_match_finite_differences(config, batch):
     """The options' parameters entry by entry (up to 8 entries each); every parameter along a
     random direction; a few entries of each plain parameter."""
-    model = make_model(**config)
-    tokens, targets = batch
-    loss, grads = model.loss_and_grads(tokens, targets)
-    assert loss == pytest.approx(nn.cross_entropy(model.forward(tokens), targets), rel=1e-14)
-    assert list(grads) == list(model.params)
-    pick = np.random.default_rng(1)
-    for name, g in grads.items():
-        p = model.params[name]
-        assert g.shape == p.shape and g.dtype == np.float64, name
-        n_entries = 8 if is_new(name) else 2
-        entries = range(p.size) if p.size <= n_entries else pick.choice(p.size, n_entries, False)
-        for flat in entries:
-            e = np.zeros(p.size)
-            e[flat] = 1.0
-            numeric = central_difference(model, tokens, targets, name, e.reshape(p.shape))
-            assert g.flat[flat] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, flat)
-        u = pick.standard_normal(p.shape)
-        numeric = central_difference(model, tokens, targets, name, u)
-        assert np.sum(g * u) == pytest.approx(numeric, rel=1e-6, abs=1e-8), name
+    entries = lambda name: (8, 8) if is_new(name) else (2, 2)  # noqa: E731
+    assert_grads_match_differences(make_model(**config), *batch, entries)
 
 
 def test_the_options_parameters_all_get_a_gradient(batch):
