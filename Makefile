@@ -86,16 +86,17 @@ $(DIST_STAMP): $(STAMP) $(DIST_DEPS)
 	$(VPY) -m build --quiet --outdir $(DIST) .
 	touch $@
 
+# Both builds read (and execute) the pages in JOBS processes: two kernels at once on two cores.
+# A rebuild with nothing to execute is no slower for it.
+JOBS ?= -j 2
 html: $(STAMP) $(NODE_STAMP) $(DIST_STAMP) ## build the book into _build/html, with its notebooks and the sdpa wheel (re-runs pages whose code or src/ changed)
-	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS)
+	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS) $(JOBS)
 
 # Forced execution: the execution cache is emptied and every page re-read, so every page runs
 # afresh; the fresh outputs refill the cache, so a following `make html` has nothing to redo.
-# It reads (and executes) the pages in FORCE_JOBS processes: two kernels at once on two cores.
-FORCE_JOBS ?= -j 2
 html-force: $(STAMP) $(NODE_STAMP) $(DIST_STAMP) ## build the book, executing every page afresh
 	rm -rf $(BUILDDIR)/doctrees/jupyter-cache
-	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS) -E $(FORCE_JOBS)
+	$(SPHINX) -b html $(BUILDDIR)/html $(SPHINXOPTS) -E $(JOBS)
 
 serve: ## serve the built book on http://127.0.0.1:8000 (search does not work from file://)
 	@test -f $(BUILDDIR)/html/index.html || { echo "no book in $(BUILDDIR)/html: run 'make html' first"; exit 1; }
