@@ -217,7 +217,9 @@ def grammar_automaton() -> Automaton:
     for n in ("sg", "pl"):
         prep = {w: (("prep", n), 0.5 / len(PREP)) for w in PREP}
         rules[("subj-noun", n)] = prep | _verbs(n, 0.5)
-        rules[("prep", n)] = {w: ((f"pp-{n}", "det", m), p) for w, ((_, _, m), p) in _dets("pp").items()}
+        rules[("prep", n)] = {
+            w: ((f"pp-{n}", "det", m), p) for w, ((_, _, m), p) in _dets("pp").items()
+        }
         rules |= _phrase_rules(f"pp-{n}", lambda m, n=n: ("pp-noun", n))
         rules[("pp-noun", n)] = _verbs(n, 1.0)
     names = [("start",)] + sorted(set(rules) - {("start",)})
@@ -288,9 +290,7 @@ class LiveModelWidget:
 def _static_html(model, vocab, starter: str, top: int = 5) -> str:
     """The widget's text without JavaScript: the model's top next words after ``starter``."""
     probs = list(next_word_probabilities(model, vocab, starter.split()).items())[:top]
-    rows = "".join(
-        f"<tr><td>{html.escape(w)}</td><td>{p:.3f}</td></tr>" for w, p in probs
-    )
+    rows = "".join(f"<tr><td>{html.escape(w)}</td><td>{p:.3f}</td></tr>" for w, p in probs)
     return (
         "<p>With JavaScript on, this box runs the trained model in your browser: you build a "
         "sentence from the grammar's words and see the next-word probabilities and every "
