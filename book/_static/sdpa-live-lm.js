@@ -214,6 +214,7 @@
     this.head = first.head;
     this.showAll = false;
     this.build();
+    this.typed.value = this.words.join(" ");
     this.update();
   }
 
@@ -290,7 +291,10 @@
     const unknown = tokens.filter((w) => !(w in this.index));
     const known = tokens.filter((w) => w in this.index).slice(0, this.data.config.max_len);
     this.setWords(known, true);
-    if (unknown.length) this.note.textContent = "Not in the model's vocabulary, left out: " + unknown.join(", ") + ".";
+    if (unknown.length) {
+      const said = "Not in the model's vocabulary, left out: " + unknown.join(", ") + ".";
+      this.note.textContent = (said + " " + this.note.textContent).trim();
+    }
   };
 
   Widget.prototype.setWords = function (words, typing) {
