@@ -77,6 +77,9 @@ class Visit:
         page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
         if javascript and page_name == PAGE:
             page.wait_for_selector(".sdpa-live-lm.sdpa-live-ready", timeout=TIMEOUT_MS)
+        # let the page finish what its first load fetches (MathJax, its workers), and the
+        # response events reach this process
+        page.wait_for_load_state("networkidle", timeout=TIMEOUT_MS)
 
     def _count(self, response) -> None:
         try:
