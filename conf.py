@@ -89,6 +89,7 @@ sdpa_slow_pages = [
     "lm/induction-heads",
     "measured/qk-norm",
     "measured/attention-sinks",
+    "measured/differential-attention",
     "modern/sparse-attention",
     "gradients/scaling-revisited",
 ]

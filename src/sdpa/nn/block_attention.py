@@ -19,6 +19,7 @@ from ..attention import scaled_dot_product_attention
 from ..backward import scaled_dot_product_attention_backward
 from ..kvcache import KVCache
 from .config import DecoderConfig
+from .differential import DifferentialAttention
 from .softcap import softcapped_attention, softcapped_attention_backward
 
 __all__: list[str] = []  # the model's own machinery: no public names
@@ -110,6 +111,8 @@ class SoftcappedAttention:
         return softcapped_attention(q, keys, values, self.cap, allowed, sinks)[0]
 
 
-def block_attention(config: DecoderConfig) -> CausalAttention | SoftcappedAttention:
+def block_attention(config: DecoderConfig):
     """The attention variant ``config`` asks for."""
+    if config.differential:
+        return DifferentialAttention(config)
     return CausalAttention(config) if config.attn_softcap is None else SoftcappedAttention(config)

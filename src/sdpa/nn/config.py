@@ -18,7 +18,7 @@ __all__ = ["DecoderConfig"]
 POSITIONALS = ("rope", "sinusoidal", "learned", None)
 NORMS = ("layer", "rms")
 # The options that add to the plain model, all off by default.
-OPTIONS = ("qk_norm", "logit_softcap", "attn_softcap", "sink", "output_gate")
+OPTIONS = ("qk_norm", "logit_softcap", "attn_softcap", "sink", "output_gate", "differential")
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,13 @@ class DecoderConfig:
         elementwise by ``sigmoid(h W_g)`` before ``w_o``, where ``h`` is the block's normed
         input and ``W_g`` the parameter ``blocks.i.attn.w_g``. A head can then turn its
         output down without parking its attention on some token.
+    differential : bool, default False
+        Differential attention (Ye et al. 2024, ``sdpa.nn.differential``): heads ``2j`` and
+        ``2j + 1`` form one head that subtracts its second softmax map from its first,
+        ``(A1 - lam A2) [v_2j, v_2j+1]``, then RMS-normalises the result per head and scales
+        it by ``1 - lam_init``; ``lam = exp(lq1 . lk1) - exp(lq2 . lk2) + lam_init`` from four
+        learned vectors ``blocks.i.attn.lambda_q1`` ... of length ``Dk`` per block. Needs an
+        even ``n_heads``, ``n_kv_heads == n_heads``, and neither ``sink`` nor ``attn_softcap``.
     dtype : {np.float64, np.float32}, default np.float64
         The dtype of the parameters and of every computation (stored as a ``numpy.dtype``).
 
@@ -94,13 +101,13 @@ class DecoderConfig:
     Raises
     ------
     TypeError
-        If a size is not an integer, ``attention_only``, ``qk_norm``, ``sink`` or
-        ``output_gate`` is not a bool, or a soft-cap is not a real number.
+        If a size is not an integer, ``attention_only``, ``qk_norm``, ``sink``,
+        ``output_gate`` or ``differential`` is not a bool, or a soft-cap is not a real number.
     ValueError
         If a size is not positive, ``n_heads`` does not divide ``d_model``, ``n_kv_heads``
         does not divide ``n_heads``, the head width is odd with RoPE, ``positional``,
-        ``norm`` or ``dtype`` is not one of the choices, or a soft-cap is not positive and
-        finite.
+        ``norm`` or ``dtype`` is not one of the choices, a soft-cap is not positive and
+        finite, or ``differential`` is combined with what it does not support.
 
     Examples
     --------
@@ -130,6 +137,7 @@ class DecoderConfig:
     attn_softcap: float | None = None
     sink: bool = False
     output_gate: bool = False
+    differential: bool = False
     dtype: np.dtype = np.dtype(np.float64)
 
     def __post_init__(self):
@@ -144,10 +152,12 @@ class DecoderConfig:
                 f"{checked['d_model'] // checked['n_heads']}"
             )
         checked["norm"] = _choice(self.norm, "norm", NORMS)
-        for name in ("attention_only", "qk_norm", "sink", "output_gate"):
+        for name in ("attention_only", "qk_norm", "sink", "output_gate", "differential"):
             checked[name] = check_bool(getattr(self, name), name)
         for name in ("logit_softcap", "attn_softcap"):
             checked[name] = _check_cap(getattr(self, name), name)
+        if checked["differential"]:
+            _check_differential(checked)
         default_d_ff = None if checked["attention_only"] else 4 * checked["d_model"]
         checked["d_ff"] = (
             None if checked["attention_only"] else _optional_size(self.d_ff, "d_ff", default_d_ff)
@@ -180,6 +190,21 @@ def _check_heads(d_model: int, n_heads: int, n_kv_heads: int) -> None:
         raise ValueError(
             f"n_kv_heads must divide n_heads; got n_heads={n_heads}, n_kv_heads={n_kv_heads}"
         )
+
+
+def _check_differential(checked: dict) -> None:
+    """Differential attention pairs the heads, each pair with its own keys and values."""
+    heads, kv = checked["n_heads"], checked["n_kv_heads"]
+    if heads % 2 or kv != heads:
+        raise ValueError(
+            f"differential=True needs an even n_heads and n_kv_heads == n_heads; got "
+            f"n_heads={heads}, n_kv_heads={kv}"
+        )
+    for name in ("sink", "attn_softcap"):
+        if checked[name]:
+            raise ValueError(
+                f"differential=True does not combine with {name}; got {name}={checked[name]!r}"
+            )
 
 
 def _choice(value, name: str, choices: tuple):

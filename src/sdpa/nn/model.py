@@ -12,10 +12,10 @@ updates the *residual stream* ``x`` twice,
 The attention goes through :func:`sdpa.scaled_dot_product_attention` and its gradient through
 :func:`sdpa.scaled_dot_product_attention_backward`; decoding uses :class:`sdpa.KVCache`.
 
-Five options, all off by default, add what recent models use to keep attention stable or to
+Six options, all off by default, add what recent models use to keep attention stable or to
 let a head attend to nothing: QK-norm (``qk_norm``), soft-capped logits and attention scores
-(``logit_softcap``, ``attn_softcap``), a learned sink logit per head (``sink``) and a gate on
-each head's output (``output_gate``). Each is in the forward pass, the exact gradient and the
+(``logit_softcap``, ``attn_softcap``), a learned sink logit per head (``sink``), a gate on
+each head's output (``output_gate``) and differential attention (``differential``). Each is in the forward pass, the exact gradient and the
 cached decoding; without them the model is the plain one, bit for bit.
 
 Shape letters: ``B`` batch, ``T`` sequence length, ``E`` model width (``d_model``), ``Hq`` query
@@ -40,6 +40,7 @@ from ..rope import apply_rotary_embedding
 from .block_attention import block_attention
 from .config import FIELDS as CONFIG_FIELDS
 from .config import DecoderConfig
+from .differential import block_lambdas, init_lambdas
 from .functional import (
     gelu,
     gelu_backward,
@@ -289,6 +290,8 @@ class DecoderLM:
         # from the same values of the shared parameters as the plain model of the same seed.
         for i in range(L if self.output_gate else 0):
             params[f"blocks.{i}.attn.w_g"] = matrix(E, self.n_heads * Dk)
+        for i in range(L if self.differential else 0):
+            params.update(init_lambdas(rng, Dk, self.dtype, f"blocks.{i}.attn."))
         return params
 
     def _norm_params(self, prefix: str) -> dict[str, np.ndarray]:
@@ -415,8 +418,11 @@ class DecoderLM:
         """Block ``i``'s output gate ``sigmoid(h W_g)``, ``(B, T, Hq Dk)``."""
         return _sigmoid(h @ self.params[f"blocks.{i}.attn.w_g"])  # (B, T, E) @ (E, Hq Dk)
 
-    def _sinks(self, i: int) -> np.ndarray | None:
-        """Block ``i``'s sink logits as ``sinks=`` takes them, ``(Hq, 1)``; None without."""
+    def _sinks(self, i: int) -> np.ndarray | dict | None:
+        """Block ``i``'s sink logits as ``sinks=`` takes them, ``(Hq, 1)``; None without; with
+        ``differential``, its lambda vectors instead (``sdpa.nn.differential``)."""
+        if self.differential:
+            return block_lambdas(self.params, i)
         return self.params[f"blocks.{i}.attn.sink"][:, None] if self.sink else None
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
@@ -630,6 +636,8 @@ class DecoderLM:
         )
         if self.sink:
             grads[p + "attn.sink"] = d_sinks
+        if self.differential:  # the gradients of the four lambda vectors
+            grads.update({p + "attn." + name: d for name, d in d_sinks.items()})
         if self.positional == "rope":  # the transpose of a rotation is the opposite rotation
             back = -np.arange(c.q.shape[2])
             d_q = apply_rotary_embedding(d_q, back)

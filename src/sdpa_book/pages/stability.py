@@ -10,7 +10,10 @@ passes back through it. To watch this happen the page needs, at regular steps of
 * the **entropy** :math:`-\sum_j a_{ij} \log a_{ij}` of each row of attention weights, 0 for a
   one-hot row and :math:`\log(i + 1)` for a uniform causal row: :func:`attention_entropy`;
 * both recorded by :class:`AttentionProbe`, an ``on_step`` callback of
-  :func:`sdpa_book.pages.lm.train_lm`.
+  :func:`sdpa_book.pages.lm.train_lm`;
+* and one fix of the growth, applied between steps: :class:`QKClip`, Kimi K2's rescaling of
+  the query and key projections of every head whose largest logit passed a threshold, on the
+  batches of the recipe (:class:`RecipeBatches`).
 
 Shape letters: ``B`` batch, ``Hq`` query heads, ``T`` sequence length (queries and keys),
 ``L`` the number of blocks.
@@ -32,7 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["AttentionProbe", "attention_entropy", "attention_logits"]
+from .lm import corpus_data
+
+__all__ = ["AttentionProbe", "QKClip", "RecipeBatches", "attention_entropy", "attention_logits"]
 
 
 def attention_logits(model, tokens: np.ndarray) -> list[np.ndarray]:
@@ -137,3 +142,123 @@ class AttentionProbe:
         self.entropy.append(
             np.array([attention_entropy(w[:, :, 1:]).mean(axis=(0, 2)) for w in weights])
         )
+
+
+class RecipeBatches:
+    """The training windows :func:`sdpa_book.pages.lm.train_lm` draws at each step, drawn again.
+
+    The recipe draws step ``n``'s batch as the ``n``-th call of
+    ``rng.integers(len(data.train_starts), size=batch)`` on ``np.random.default_rng(seed)``;
+    this object repeats those draws with its own generator, so that a callback can see the
+    batch of the step it follows (``train_lm`` does not hand it over).
+
+    Parameters
+    ----------
+    seed, batch, T, bos : optional
+        As :func:`sdpa_book.pages.lm.train_lm` (its defaults).
+
+    Examples
+    --------
+    >>> batches = RecipeBatches()
+    >>> batches(1).shape                     # (batch, T): the inputs of step 1
+    (32, 32)
+    >>> bool(np.array_equal(batches(1), RecipeBatches()(1)))
+    True
+    """
+
+    def __init__(self, seed: int = 0, batch: int = 32, T: int = 32, bos: bool = False):
+        self._data = corpus_data(T, bos)
+        self._rng = np.random.default_rng(seed)
+        self._batch = batch
+        self._drawn: list[np.ndarray] = []
+
+    def __call__(self, step: int) -> np.ndarray:
+        """The inputs ``(batch, T)`` of step ``step`` (1, 2, ...)."""
+        if not isinstance(step, (int, np.integer)) or step < 1:
+            raise ValueError(f"step must be an integer >= 1; got {step!r}")
+        while len(self._drawn) < step:
+            rows = self._rng.integers(len(self._data.train_starts), size=self._batch)
+            self._drawn.append(self._data.train_windows(rows)[:, :-1])
+        return self._drawn[step - 1]
+
+
+@dataclass
+class QKClip:
+    r"""QK-clip (Kimi K2's MuonClip), an ``on_step`` callback of :func:`~sdpa_book.pages.lm.train_lm`.
+
+    After each optimiser step it computes, for every head ``h`` of every block, the largest
+    logit ``S_h = max z_ij`` of the updated model on the step's batch; where ``S_h > tau`` it
+    multiplies head ``h``'s columns of ``W_Q`` and of ``W_K`` by ``sqrt(tau / S_h)`` each, so
+    that every logit of the head, bilinear in the two, shrinks by ``tau / S_h`` and the largest
+    becomes ``tau``. The other heads are not touched.
+
+    Parameters
+    ----------
+    tau : float
+        The threshold, a positive number.
+    batches : callable
+        ``batches(step)``: the ``(B, T)`` inputs of the step (:class:`RecipeBatches`).
+
+    Attributes
+    ----------
+    max_logit : list of (L, Hq) np.ndarray
+        ``S_h`` at each step, before the clip.
+    clipped : list of (L, Hq) np.ndarray of bool
+        Which heads were rescaled at each step.
+
+    Raises
+    ------
+    ValueError
+        If ``tau`` is not positive and finite; when called, if the model has QK-norm (the norm
+        would undo the rescaling).
+
+    Notes
+    -----
+    Kimi K2 takes ``S_h`` from the step's own forward pass (the weights before the update),
+    which costs nothing; this callback has no access to that pass and runs the updated model
+    on the same batch instead, one more forward pass per step, after which no logit of the
+    batch exceeds ``tau``. With grouped heads a key head serves several query heads, so only
+    the query head is rescaled, by ``tau / S_h`` (as Kimi K2 leaves MLA's shared rotary key
+    alone).
+
+    Examples
+    --------
+    >>> from sdpa_book.pages.lm import train_lm
+    >>> clip = QKClip(tau=5.0, batches=RecipeBatches())
+    >>> run = train_lm(steps=3, lr=0.1, on_step=clip)
+    >>> len(clip.max_logit), clip.clipped[0].shape          # steps, then (L, Hq)
+    (3, (2, 4))
+    """
+
+    tau: float
+    batches: object
+    max_logit: list = field(default_factory=list)
+    clipped: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if not (isinstance(self.tau, (int, float)) and np.isfinite(self.tau) and self.tau > 0):
+            raise ValueError(f"tau must be a positive, finite number; got {self.tau!r}")
+
+    def __call__(self, step: int, model, loss: float) -> None:
+        if model.qk_norm:
+            raise ValueError("QKClip needs a model without qk_norm: the norm undoes the rescaling")
+        Dk, grouped = model.head_dim, model.n_kv_heads != model.n_heads
+        largest, clipped = [], []
+        for i, z in enumerate(attention_logits(model, self.batches(step))):
+            s_max = z.max(axis=(0, 2, 3))  # (Hq,): the masked -inf never wins
+            over = s_max > self.tau
+            gamma = np.where(over, self.tau / np.where(over, s_max, 1.0), 1.0)
+            for h in np.flatnonzero(over):  # in place: the optimiser holds these arrays
+                cols = slice(h * Dk, (h + 1) * Dk)
+                w_q = model.params[f"blocks.{i}.attn.w_q"]
+                if grouped:
+                    w_q[:, cols] *= w_q.dtype.type(gamma[h])
+                else:
+                    w_q[:, cols] *= w_q.dtype.type(np.sqrt(gamma[h]))
+                    model.params[f"blocks.{i}.attn.w_k"][:, cols] *= w_q.dtype.type(
+                        np.sqrt(gamma[h])
+                    )
+            largest.append(s_max)
+            clipped.append(over)
+        self.max_logit.append(np.array(largest))
+        self.clipped.append(np.array(clipped))

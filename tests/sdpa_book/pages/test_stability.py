@@ -5,7 +5,13 @@ import pytest
 
 import sdpa
 from sdpa.nn import DecoderLM, layer_norm, softcap
-from sdpa_book.pages.stability import AttentionProbe, attention_entropy, attention_logits
+from sdpa_book.pages.stability import (
+    AttentionProbe,
+    QKClip,
+    RecipeBatches,
+    attention_entropy,
+    attention_logits,
+)
 
 
 def _model(rng, **options):
@@ -13,11 +19,10 @@ def _model(rng, **options):
     return DecoderLM(
         vocab_size=11,
         d_model=12,
-        n_layers=2,
         n_heads=3,
         max_len=7,
         rng=rng,
-        **options,
+        **({"n_layers": 2} | options),
     )
 
 
@@ -86,3 +91,109 @@ def test_probe_records_at_step_one_and_every_k_steps(rng):
     entropy = attention_entropy(weights[1][:, :, 1:])  # queries 1.. of block 1: (B, H, T - 1)
     np.testing.assert_allclose(probe.entropy[-1][1], entropy.mean(axis=(0, 2)))
     assert probe.entropy[-1].shape == (2, 3)
+
+
+# -- QK-clip ------------------------------------------------------------------------------------
+
+
+def _head_logit_max(model, tokens):
+    """(Hq,) largest logit per head of block 0, in a float64 loop over the batch, queries and
+    keys, independent of attention_logits: the layer norm, RoPE and dot products written out."""
+    p, Dk, T = model.params, model.head_dim, tokens.shape[1]
+    h = layer_norm(
+        p["token_embedding"][tokens], p["blocks.0.attn_norm.weight"], p["blocks.0.attn_norm.bias"]
+    )
+    group = model.n_heads // model.n_kv_heads
+    rows = []
+    for head in range(model.n_heads):
+        q = h @ p["blocks.0.attn.w_q"][:, head * Dk : (head + 1) * Dk]
+        k = h @ p["blocks.0.attn.w_k"][:, head // group * Dk : (head // group + 1) * Dk]
+        q = sdpa.apply_rotary_embedding(q, np.arange(T))
+        k = sdpa.apply_rotary_embedding(k, np.arange(T))
+        pairs = [(b, t, s) for b in range(len(tokens)) for t in range(T) for s in range(t + 1)]
+        rows.append(max(q[b, t] @ k[b, s] / np.sqrt(Dk) for b, t, s in pairs))
+    return np.array(rows)
+
+
+def _big_model(rng, **options):
+    model = _model(rng, attention_only=True, n_layers=1, **options)
+    for name in ("blocks.0.attn.w_q", "blocks.0.attn.w_k"):
+        model.params[name] *= 3.0  # logits of tens: some heads over the threshold, some not
+    return model
+
+
+@pytest.mark.parametrize("n_kv_heads", [3, 1])
+def test_qk_clip_brings_every_head_to_tau_and_leaves_the_others(rng, n_kv_heads):
+    model = _big_model(rng, n_kv_heads=n_kv_heads)
+    tokens = rng.integers(11, size=(2, 7))
+    before = _head_logit_max(model, tokens)
+    tau = float(np.median(before))  # at least one head on each side
+    assert np.any(before > tau) and np.any(before <= tau)
+    params = {k: v.copy() for k, v in model.params.items()}
+    w_q = model.params["blocks.0.attn.w_q"]
+    clip = QKClip(tau, batches=lambda step: tokens)
+    clip(1, model, 0.0)
+    after = _head_logit_max(model, tokens)
+    assert np.all(after <= tau * (1 + 1e-12))  # float64: no head's logit exceeds tau
+    over = before > tau
+    np.testing.assert_allclose(after[over], tau, rtol=1e-12)  # the largest is tau itself
+    np.testing.assert_array_equal(clip.clipped[0][0], over)
+    np.testing.assert_allclose(clip.max_logit[0][0], before, rtol=1e-12)
+    assert model.params["blocks.0.attn.w_q"] is w_q  # in place: the optimiser's arrays
+    Dk = model.head_dim
+    for head in np.flatnonzero(~over):  # heads under tau: bit for bit
+        cols = slice(head * Dk, (head + 1) * Dk)
+        np.testing.assert_array_equal(w_q[:, cols], params["blocks.0.attn.w_q"][:, cols])
+    for name in model.params:
+        if name not in ("blocks.0.attn.w_q", "blocks.0.attn.w_k"):
+            np.testing.assert_array_equal(model.params[name], params[name])
+    if n_kv_heads == 1:  # the shared key head is left alone
+        np.testing.assert_array_equal(
+            model.params["blocks.0.attn.w_k"], params["blocks.0.attn.w_k"]
+        )
+
+
+def test_qk_clip_rescales_both_projections_by_the_square_root():
+    model = _big_model(np.random.default_rng(3))
+    tokens = np.random.default_rng(4).integers(11, size=(1, 6))
+    before = {n: model.params[f"blocks.0.attn.{n}"].copy() for n in ("w_q", "w_k")}
+    s = _head_logit_max(model, tokens)
+    tau = float(s.min()) / 2  # every head over
+    QKClip(tau, batches=lambda step: tokens)(1, model, 0.0)
+    Dk = model.head_dim
+    for head in range(3):
+        cols = slice(head * Dk, (head + 1) * Dk)
+        for n in ("w_q", "w_k"):
+            np.testing.assert_allclose(
+                model.params[f"blocks.0.attn.{n}"][:, cols],
+                before[n][:, cols] * np.sqrt(tau / s[head]),
+                rtol=1e-14,
+            )
+
+
+def test_recipe_batches_are_the_batches_train_lm_trains_on():
+    """At learning rate 0 the model does not move, so the loss train_lm reports for a step is
+    the model's loss on that step's batch only if the batches agree."""
+    from sdpa.nn import cross_entropy
+    from sdpa_book.pages.lm import corpus_data, train_lm
+
+    batches, data, seen = RecipeBatches(batch=4), corpus_data(), []
+
+    def check(step, model, loss):
+        seen.append((loss, batches(step)))
+
+    run = train_lm(steps=3, lr=0.0, batch=4, on_step=check)
+    rng = np.random.default_rng(0)
+    for loss, x in seen:
+        windows = data.train_windows(rng.integers(len(data.train_starts), size=4))
+        np.testing.assert_array_equal(x, windows[:, :-1])
+        assert cross_entropy(run.model.forward(x), windows[:, 1:]) == pytest.approx(loss, rel=1e-6)
+
+
+def test_qk_clip_rejects_bad_arguments(rng):
+    with pytest.raises(ValueError, match="tau"):
+        QKClip(0.0, batches=None)
+    with pytest.raises(ValueError, match="qk_norm"):
+        QKClip(1.0, batches=lambda s: np.zeros((1, 3), int))(1, _model(rng, qk_norm=True), 0.0)
+    with pytest.raises(ValueError, match="step"):
+        RecipeBatches()(0)
