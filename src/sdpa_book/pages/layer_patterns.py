@@ -16,7 +16,7 @@ attention* (``book/measured/latent-attention.md``).
 * :func:`mla_attention_flops` counts the FLOPs of MLA's naive and absorbed forms for ``T``
   query tokens over ``S`` keys, and :func:`mla_crossover` the ``T`` where they cost the same.
 
->>> kv_bytes_per_token(32, 8, 128)          # Llama 3 8B in bf16: 128 KiB a token
+>>> kv_bytes_per_token(32, 8, 128)          # Llama 3.1 8B in bf16: 128 KiB a token
 131072
 >>> gemma3 = MODELS["Gemma 3 27B"]
 >>> round(gemma3.cache_bytes(131072) / 2**30, 2)    # GiB at 128K tokens
@@ -186,14 +186,16 @@ def _kv(heads: int, dim: int) -> int:
 
 
 _HF = "https://huggingface.co/"
+#: The rows of *Layer patterns and what they cost*, by name: each model's layers by kind, as its
+#: published ``config.json`` (``source``) gives them; YOCO's row is an illustrative arrangement.
 MODELS: dict[str, ModelPattern] = {
     m.name: m
     for m in [
         ModelPattern(
-            "Llama 3 8B",
+            "Llama 3.1 8B",
             (LayerKind("global", 32, _kv(8, 128)),),
             32,
-            _HF + "meta-llama/Meta-Llama-3-8B/blob/main/config.json",
+            _HF + "meta-llama/Llama-3.1-8B/blob/main/config.json",
             "the plain baseline: every layer global",
         ),
         ModelPattern(
@@ -265,13 +267,13 @@ MODELS: dict[str, ModelPattern] = {
             "MLA: a 512-wide latent and a 64-wide rotated key per token and layer",
         ),
         ModelPattern(
-            "YOCO (Llama 3 8B sizes)",
+            "YOCO (Llama 3.1 8B sizes)",
             (
                 LayerKind("window 1024", 16, _kv(8, 128), 1024),
                 LayerKind("global, shared", 1, _kv(8, 128)),
             ),
             32,
-            "Sun et al. (2024), arranged with Llama 3 8B's sizes",
+            "Sun et al. (2024), arranged with Llama 3.1 8B's sizes",
             "illustrative, not a released model: 16 window layers, then 16 layers reading one "
             "shared cache",
         ),

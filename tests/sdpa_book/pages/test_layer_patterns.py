@@ -83,8 +83,8 @@ def test_kv_bytes_per_token_by_hand_and_sharing():
     assert kv_bytes_per_token(32, 8, 128, dtype_bytes=4) == 2 * 131072
     # Gemma 3n E4B: 35 layers, 15 of them reading earlier layers' caches
     assert kv_bytes_per_token(35, 2, 256, shared_layers=15) == 20 * 2 * 2 * 256 * 2
-    # every layer but the window-free model's global pool in Llama 3 8B
-    assert kv_bytes_per_token(32, 8, 128) * K128 == MODELS["Llama 3 8B"].cache_bytes(K128)
+    # every layer but the window-free model's global pool in Llama 3.1 8B
+    assert kv_bytes_per_token(32, 8, 128) * K128 == MODELS["Llama 3.1 8B"].cache_bytes(K128)
 
 
 @pytest.mark.parametrize(
