@@ -270,7 +270,7 @@ MODELS: dict[str, ModelPattern] = {
             "YOCO (Llama 3.1 8B sizes)",
             (
                 LayerKind("window 1024", 16, _kv(8, 128), 1024),
-                LayerKind("global, shared", 1, _kv(8, 128)),
+                LayerKind("shared global", 1, _kv(8, 128)),
             ),
             32,
             "Sun et al. (2024), arranged with Llama 3.1 8B's sizes",
