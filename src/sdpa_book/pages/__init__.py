@@ -25,6 +25,12 @@ serving
     :func:`~sdpa_book.pages.serving.static_batching`), the timeline of an engine's steps
     (:func:`~sdpa_book.pages.serving.serve_trace`) and a model of SGLang's radix-tree cache
     (:class:`~sdpa_book.pages.serving.RadixCache`).
+layer_patterns
+    *Layer patterns and what they cost* (``book/measured/layer-patterns.md``), the RoPE page's
+    scaling types and the latent-attention page's serving section: caches by layer kind
+    (:data:`~sdpa_book.pages.layer_patterns.MODELS`,
+    :func:`~sdpa_book.pages.layer_patterns.kv_bytes_per_token`), RoPE frequencies of the
+    ``llama3``, ``dynamic`` and ``longrope`` types, and MLA's naive and absorbed FLOPs.
 stability
     *QK-norm and soft-capping* (``book/measured/qk-norm.md``): what the page records while a model
     trains, attention logits and entropies.
