@@ -32,6 +32,14 @@ layer_patterns
     :func:`~sdpa_book.pages.layer_patterns.kv_bytes_per_token`), RoPE frequencies of the
     ``llama3``, ``dynamic`` and ``longrope`` types, and MLA's naive and absorbed FLOPs.
 stability
-    *QK-norm and soft-capping* (``book/measured/qk-norm.md``): what the page records while a model
-    trains, attention logits and entropies.
+    *QK-norm and soft-capping* (``book/measured/qk-norm.md``) and *Differential attention*
+    (``book/measured/differential-attention.md``): what the pages record while a model trains
+    (attention logits and entropies) and Kimi K2's QK-clip as a training callback
+    (:class:`~sdpa_book.pages.stability.QKClip`).
+low_precision
+    *Attention in low precision* (``book/measured/low-precision.md``): rounding to FP8, bf16
+    and fp16 exactly, scales per tensor, head or block, and attention with quantised products.
+live_model
+    *The model, live* (``book/lm/live-model.md``): the trained model's weights and the
+    grammar's next words exported for the page's JavaScript forward pass.
 """
