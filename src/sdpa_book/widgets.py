@@ -1017,15 +1017,13 @@ model("point").data = {x: [ctx], y: [b / 2 ** 30]};
 const units = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
 const [unit, size] = units.find(([, s]) => b >= s) || ["bytes", 1];
 const amount = unit === "bytes" ? String(b) : (b / size).toPrecision(3);
-const who = share > 1 ? `${n(caches, "cache")} (${n(v.layers, "layer")}, ${share} per cache)`
-  : n(v.layers, "layer");
+const who = share > 1 ? `${n(caches, "cache")} for ${n(v.layers, "layer")}` : n(v.layers, "layer");
 const what = lat > 0 ? `(${lat} + ${D.rope_dim})` : `${n(Hkv, "KV head")} × (${dh} + ${dh})`;
 const notes = [];
 if (lat > 0) notes.push("MLA: H_q, H_kv and the head width have no effect");
 else if (kvChoice > Hq) notes.push(`H_kv is at most H_q = ${Hq}`);
 else if (kvChoice > 0 && Hq % Hkv) notes.push(`G = H_q / H_kv = ${(Hq / Hkv).toFixed(2)} is not whole`);
-else if (kvChoice > 0) notes.push(`H_q has no effect: the cache holds H_kv heads (G = ${Hq / Hkv})`);
-if (share > v.layers) notes.push("all layers share one cache");
+else if (kvChoice > 0) notes.push(`H_q has no effect, only H_kv (G = ${Hq / Hkv})`);
 return `${who} × ${what} × ${n(bytes, "byte")} = ` +
   `${(caches * per * bytes).toLocaleString("en-US")} bytes per token; × ${ctx.toLocaleString("en-US")}` +
   ` tokens × ${n(v.batch, "sequence")} = ${amount} ${unit}.` +
