@@ -1022,8 +1022,9 @@ const what = lat > 0 ? `(${lat} + ${D.rope_dim})` : `${n(Hkv, "KV head")} × (${
 const notes = [];
 if (lat > 0) notes.push("MLA: H_q, H_kv and the head width have no effect");
 else if (kvChoice > Hq) notes.push(`H_kv is at most H_q = ${Hq}`);
-else if (kvChoice > 0 && Hq % Hkv) notes.push(`G = H_q / H_kv = ${(Hq / Hkv).toFixed(2)} is not whole`);
-else if (kvChoice > 0) notes.push(`H_q has no effect, only H_kv (G = ${Hq / Hkv})`);
+else if (kvChoice > 0) {  // GQA or MQA: the bytes depend on H_kv alone
+  notes.push(`H_q has no effect, only H_kv (G = ${+(Hq / Hkv).toFixed(2)})`);
+}
 return `${who} × ${what} × ${n(bytes, "byte")} = ` +
   `${(caches * per * bytes).toLocaleString("en-US")} bytes per token; × ${ctx.toLocaleString("en-US")}` +
   ` tokens × ${n(v.batch, "sequence")} = ${amount} ${unit}.` +

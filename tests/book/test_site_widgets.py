@@ -151,6 +151,31 @@ READOUT_LINES_JS = """
 }
 """
 
+# The longest readouts a reader can reach beyond one control at a time: the KV calculator with
+# every control far from its default (the most digits, a sharing, a fractional G, MLA).
+LONG_STATES = {
+    "kv-cache": [
+        dict(layers=128, heads=113, kvheads="16", dh="256", dtype="4", log2ctx=20, batch=64,
+             share="3"),
+        dict(layers=127, heads=128, kvheads="0", latent="1024", dtype="1", log2ctx=20, batch=63,
+             share="3"),
+        dict(layers=100, heads=100, kvheads="8", latent="0", dh="256", dtype="1", log2ctx=17,
+             batch=1, share="8"),
+    ],
+}  # fmt: skip
+SET_AND_COUNT_LINES_JS = """
+([root, state]) => {
+  for (const [name, value] of Object.entries(state)) {
+    const c = root.querySelector(`[data-sdpa-control][name="${name}"]`);
+    c.value = String(value);
+    c.dispatchEvent(new Event("input", {bubbles: true}));
+  }
+  const readout = root.querySelector(".sdpa-widget-readout");
+  return [Math.round(readout.getBoundingClientRect().height /
+                     parseFloat(getComputedStyle(readout).lineHeight)), readout.textContent];
+}
+"""
+
 # The relative luminance of the widget's panel (what is behind its readout) and of each of its
 # figures' backgrounds.
 BRIGHTNESS_JS = """
@@ -379,6 +404,11 @@ def test_widget_comes_alive_offline(browser, server, page, mode):
         if mode == "phone":
             lines, text = widget.evaluate(READOUT_LINES_JS)
             assert lines <= MAX_READOUT_LINES, f"{lines} lines: {text}"
+            for state in LONG_STATES.get(name, []):
+                lines, text = visit.page.evaluate(
+                    SET_AND_COUNT_LINES_JS, [widget.element_handle(), state]
+                )
+                assert lines <= MAX_READOUT_LINES, f"{lines} lines: {text}"
         # the theme: the mode's own, then the other one, as the theme's button switches it
         theme = MODES[mode]["scheme"]
         _check_theme(widget, theme)
