@@ -64,6 +64,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 class Control:
     """One control of a widget: a slider (``kind="range"``) or a menu (``kind="select"``).
 
+    A slider comes with a - and a + button beside it, each moving it by one step: the one-step
+    control a finger needs on a phone, where a slider of many steps moves several at a touch.
+
     Parameters
     ----------
     name : str
