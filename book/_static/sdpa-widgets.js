@@ -1,10 +1,51 @@
 /* The book's interactive figures (src/sdpa_book/widgets.py): each .sdpa-widget holds its Bokeh
    document, the states the package computed, and the code that shows the state its controls
    select. This script embeds the document with BokehJS (served from this site), connects the
-   controls, and swaps the static picture for the live figure. Without BokehJS nothing changes:
-   the static picture stays; with it, the picture is removed (not only hidden). */
+   controls and their -/+ buttons, follows the theme (light or dark), and swaps the static picture
+   for the live figure. Without BokehJS nothing changes: the static picture stays; with it, the
+   picture is removed (not only hidden). */
 (function () {
   "use strict";
+
+  // The figures' colours in the dark theme, by Bokeh property: the light theme's are the ones the
+  // document was written with. Data colours (cells, bars, lines) stay as they are.
+  const DARK = {
+    background_fill_color: "#1e2329",
+    border_fill_color: "#1e2329",
+    outline_line_color: "#9aa0a6",
+    axis_line_color: "#c9d1d9",
+    major_tick_line_color: "#c9d1d9",
+    minor_tick_line_color: "#c9d1d9",
+    major_label_text_color: "#e6edf3",
+    axis_label_text_color: "#e6edf3",
+    text_color: "#e6edf3",  // titles
+    grid_line_color: "#6e7681",
+  };
+  // Glyph colours given as constants: black marks turn light, white separators turn dark.
+  const DARK_GLYPH = { black: "#e6edf3", "#333333": "#c9d1d9", white: "#1e2329" };
+
+  function isDark() {
+    return document.documentElement.dataset.theme === "dark";
+  }
+
+  function themeDocument(doc) {
+    const dark = isDark();
+    for (const m of doc.all_models) {
+      m.sdpaLight = m.sdpaLight || {};
+      for (const name of Object.keys(m.properties || {})) {
+        const glyph = name === "line_color" || name === "fill_color" || name === "color";
+        if (!(name in DARK) && !glyph) continue;
+        if (!(name in m.sdpaLight)) {
+          const value = m[name];
+          m.sdpaLight[name] = value !== null && typeof value === "object" ? value.value : value;
+        }
+        const light = m.sdpaLight[name];
+        if (typeof light !== "string") continue;  // a field of the data, or none
+        const want = !dark ? light : glyph ? DARK_GLYPH[light] : DARK[name];
+        if (want !== undefined) m.setv({ [name]: want });
+      }
+    }
+  }
 
   function controlValues(controls) {
     const v = {};
@@ -21,7 +62,15 @@
     const panel = root.querySelector(".sdpa-widget-controls");
     const readout = root.querySelector(".sdpa-widget-readout");
     const controls = Array.from(root.querySelectorAll("[data-sdpa-control]"));
-    const show = new Function("v", "D", "model", spec.code);
+    const buttons = Array.from(root.querySelectorAll("button[data-sdpa-step]"));
+    // show(v, D, model, control): control(name) is the element, so that the code can set a
+    // slider's range (the FlashAttention loop's number of tiles depends on the mask)
+    const show = new Function("v", "D", "model", "control", spec.code);
+    const control = function (name) {
+      const found = controls.find(function (c) { return c.name === name; });
+      if (!found) throw new Error("sdpa widget: no control named " + name);
+      return found;
+    };
     plot.hidden = false;
     return Bokeh.embed.embed_item(spec.item, plot.id).then(function () {
       const doc = Bokeh.documents.find(function (d) {
@@ -33,18 +82,32 @@
         return found;
       };
       function refresh() {
-        const v = controlValues(controls);
-        controls.forEach(function (c) {
+        readout.textContent = show(controlValues(controls), spec.data, model, control);
+        controls.forEach(function (c) {  // after show(), which may have changed a range
           const out = c.parentElement.querySelector("output");
           if (out) out.textContent = c.value;
         });
-        readout.textContent = show(v, spec.data, model);
+        buttons.forEach(function (b) {
+          const c = document.getElementById(b.getAttribute("aria-controls"));
+          const end = b.dataset.sdpaStep === "1" ? c.max : c.min;
+          b.disabled = Number(c.value) === Number(end);
+        });
       }
       controls.forEach(function (c) {
         c.addEventListener("input", refresh);
         c.addEventListener("change", refresh);
       });
+      buttons.forEach(function (b) {
+        b.addEventListener("click", function () {
+          const c = document.getElementById(b.getAttribute("aria-controls"));
+          if (b.dataset.sdpaStep === "1") c.stepUp(); else c.stepDown();
+          c.dispatchEvent(new Event("input", { bubbles: true }));
+        });
+      });
       refresh();
+      themeDocument(doc);
+      new MutationObserver(function () { themeDocument(doc); }).observe(
+        document.documentElement, { attributes: true, attributeFilter: ["data-theme"] });
       root.sdpaModel = model;  // for the browser test: what the figure shows
       root.sdpaDocument = doc;
       panel.hidden = false;

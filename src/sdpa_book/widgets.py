@@ -64,6 +64,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 class Control:
     """One control of a widget: a slider (``kind="range"``) or a menu (``kind="select"``).
 
+    A slider comes with a - and a + button beside it, each moving it by one step: the one-step
+    control a finger needs on a phone, where a slider of many steps moves several at a touch.
+
     Parameters
     ----------
     name : str
@@ -101,12 +104,24 @@ class Control:
         ident = f"{prefix}-{self.name}"
         label = f'<label for="{ident}">{html.escape(self.label)}</label>'
         if self.kind == "range":
+            # -/+ buttons beside every slider: a finger moves a long slider (Layers 1-128) by
+            # one step only with them; the keyboard's arrows do the same on the slider itself
+            def step(sign, glyph, word):
+                return (
+                    f'<button type="button" class="sdpa-step" data-sdpa-step="{sign}"'
+                    f' aria-controls="{ident}" aria-label="{html.escape(self.label)}: {word}">'
+                    f"{glyph}</button>"
+                )
+
             return (
-                f'<div class="sdpa-control">{label}'
-                f'<input type="range" id="{ident}" name="{self.name}" data-sdpa-control="range"'
+                f'<div class="sdpa-control sdpa-control-range">{label}<div class="sdpa-slider">'
+                + step("-1", "−", "one step down")
+                + f'<input type="range" id="{ident}" name="{self.name}" data-sdpa-control="range"'
                 f' min="{self.low:g}" max="{self.high:g}" step="{self.step:g}"'
                 f' value="{float(self.value):g}">'
-                f'<output for="{ident}" aria-hidden="true">{float(self.value):g}</output></div>'
+                + step("1", "+", "one step up")
+                + f'<output for="{ident}" aria-hidden="true">{float(self.value):g}</output>'
+                "</div></div>"
             )
         options = "".join(
             f'<option value="{html.escape(v)}"{" selected" if v == str(self.value) else ""}>'
@@ -231,7 +246,7 @@ def _figure(**kwargs):
 
 def _heatmap(name, T, S, title, x_label="key j", y_label="query i", labels=True, height=None):
     """A (T, S) grid of cells, filled by weight (NaN: masked), with the weights written in."""
-    from bokeh.models import ColumnDataSource, LinearColorMapper
+    from bokeh.models import AdaptiveTicker, ColumnDataSource, LinearColorMapper
 
     source = ColumnDataSource(name=name, data={"x": [], "y": [], "w": [], "t": [], "c": []})
     mapper = LinearColorMapper(palette=PALETTE, low=0, high=1, nan_color=MASKED)
@@ -250,6 +265,9 @@ def _heatmap(name, T, S, title, x_label="key j", y_label="query i", labels=True,
         fig.text("x", "y", text="t", source=source, text_align="center",
                  text_baseline="middle", text_font_size=CELL_PX, text_color="c")  # fmt: skip
     fig.grid.visible = False
+    # whole positions only: Bokeh's default ticker puts ticks at 0.5 on a range of 3 keys
+    for axis in (fig.xaxis, fig.yaxis):
+        axis.ticker = AdaptiveTicker(mantissas=[1, 2, 5], min_interval=1, num_minor_ticks=0)
     return fig, source
 
 
@@ -459,10 +477,17 @@ const rows = D.states[`${v.kind}/${v.T}/${v.S}`];
 fill(model("weights"), rows, model("weights-figure"), rows.length, rows[0].length);
 const allowed = rows.map(r => r.filter(a => a !== null).length);
 const empty = allowed.filter(n => n === 0).length;
-return `${D.kinds[v.kind]}, T = ${v.T}, S = ${v.S}: keys each query may attend, ` +
-  `from query 0 down: ${allowed.join(", ")}` +
+// row 0 with each run of masked keys said once ("4 masked"), not once per key
+const row0 = [];
+for (const a of rows[0]) {
+  const last = row0[row0.length - 1];
+  if (a !== null) row0.push(a.toFixed(2));
+  else if (last && typeof last === "object") last.n += 1;
+  else row0.push({n: 1});
+}
+return `${D.kinds[v.kind]}, T = ${v.T}, S = ${v.S}: keys per query ${allowed.join(", ")}` +
   (empty ? `; ${empty} quer${empty > 1 ? "ies attend" : "y attends"} to nothing (weights 0)` : "") +
-  ". Row 0's weights: " + rows[0].map(a => a === null ? "masked" : a.toFixed(3)).join(", ") + ".";
+  ". Row 0: " + row0.map(a => typeof a === "object" ? `${a.n} masked` : a).join(", ") + ".";
 """
     )
 
@@ -574,6 +599,7 @@ def flash_loop_widget(T=8, S=8, block_q=4, block_k=2) -> Widget:
     ]
     code = """
 const F = D[v.mask], n = Math.min(v.step, F.tiles.length), st = F.steps[n - 1];
+control("step").max = F.tiles.length;  // the causal mask skips tiles: its slider is shorter
 const [i0, j0] = F.tiles[n - 1];
 const tx = [], ty = [], tc = [];
 const nq = Math.ceil(F.T / F.block_q), nk = Math.ceil(F.S / F.block_k);
@@ -588,10 +614,9 @@ const rows = F.exact.map((_, i) => i);
 model("outputs").data = {i: rows, exact: F.exact, out: st.out.map(o => o === null ? NaN : o)};
 const f = a => a === null ? "–" : a.toFixed(3);
 const i1 = Math.min(i0 + F.block_q, F.T), j1 = Math.min(j0 + F.block_k, F.S);
-const block = Array.from({length: i1 - i0}, (_, r) => i0 + r);
-return `Tile ${n} of ${F.tiles.length}: queries ${i0}–${i1 - 1} and keys ${j0}–${j1 - 1} in fast memory. ` +
-  block.map(i => `Row ${i}: m = ${f(st.m[i])}, l = ${f(st.l[i])}, acc = ${f(st.acc[i])}, ` +
-    `out = acc/l = ${f(st.out[i])} (exact ${F.exact[i].toFixed(3)})`).join("; ") + ".";
+return `Tile ${n} of ${F.tiles.length}: queries ${i0}–${i1 - 1}, keys ${j0}–${j1 - 1} in fast memory. ` +
+  `Row ${i0}: m = ${f(st.m[i0])}, l = ${f(st.l[i0])}, acc = ${f(st.acc[i0])}, ` +
+  `out = acc/l = ${f(st.out[i0])} (exact ${F.exact[i0].toFixed(3)}).`;
 """
 
     def layout():
@@ -913,31 +938,42 @@ def kv_cache_bytes(
     batch: int = 1,
     latent: int = 0,
     rope_dim: int = 0,
+    layers_per_cache: int = 1,
 ) -> int:
     """Bytes of a KV cache holding ``context`` tokens of ``batch`` sequences.
 
     Multi-head and grouped-query attention store a key and a value of ``head_dim`` per KV head,
     layer and token: ``2 * layers * kv_heads * head_dim``. Multi-head latent attention (MLA)
     stores instead one latent of width ``latent`` and a shared RoPE key of ``rope_dim`` per
-    layer and token, whatever the number of heads.
+    layer and token, whatever the number of heads. With cross-layer sharing, groups of
+    ``layers_per_cache`` consecutive layers read one cache, written by the group's first layer:
+    ``ceil(layers / layers_per_cache)`` caches in place of ``layers``.
 
     Parameters
     ----------
     context : int
         Tokens per sequence.
     layers, kv_heads, head_dim : int
-        The model's shape: layers, key/value heads (``Hkv``), width of one head.
+        The model's shape: layers, key/value heads (``H_kv``), width of one head
+        (``D_k = D_v``).
     dtype_bytes : int
         Bytes per number (4 float32, 2 bfloat16, 1 float8).
     batch : int, default 1
         Sequences.
     latent, rope_dim : int, default 0
         MLA's latent width and decoupled RoPE width; ``latent = 0`` is not MLA.
+    layers_per_cache : int, default 1
+        Layers sharing one KV cache (1: every layer keeps its own).
 
     Returns
     -------
     int
         The bytes.
+
+    Raises
+    ------
+    ValueError
+        If ``layers_per_cache`` is not a positive whole number.
 
     Examples
     --------
@@ -947,42 +983,99 @@ def kv_cache_bytes(
     524288
     >>> kv_cache_bytes(4096, layers=32, kv_heads=32, head_dim=128, dtype_bytes=2) / 2**30
     2.0
+
+    Pairs of layers sharing one cache halve it:
+
+    >>> kv_cache_bytes(4096, layers=32, kv_heads=32, head_dim=128, dtype_bytes=2,
+    ...                layers_per_cache=2) / 2**30
+    1.0
     """
+    if isinstance(layers_per_cache, bool) or not (
+        isinstance(layers_per_cache, (int, np.integer)) and layers_per_cache >= 1
+    ):
+        raise ValueError(
+            f"layers_per_cache must be a whole number of layers, at least 1; "
+            f"got {layers_per_cache!r}"
+        )
     per_token = (latent + rope_dim) if latent else 2 * kv_heads * head_dim
-    return int(context) * int(batch) * int(layers) * int(per_token) * int(dtype_bytes)
+    caches = -(-int(layers) // int(layers_per_cache))  # the last group may be smaller
+    return int(context) * int(batch) * caches * int(per_token) * int(dtype_bytes)
+
+
+KV_SHARING = (1, 2, 3, 4, 8)
+# The calculator's readout, in JavaScript: the formula of the page with the setting's numbers
+# (plurals right), the total in a readable unit, and what the setting makes irrelevant.
+KV_CACHE_JS = """
+const n = (k, one, many) => `${k.toLocaleString("en-US")} ${k === 1 ? one : many || one + "s"}`;
+const Hq = v.heads, kvChoice = Number(v.kvheads), lat = Number(v.latent), dh = Number(v.dh);
+const Hkv = kvChoice === 0 ? Hq : Math.min(kvChoice, Hq), bytes = Number(v.dtype);
+const share = Number(v.share), caches = Math.ceil(v.layers / share);
+const per = lat > 0 ? lat + D.rope_dim : 2 * Hkv * dh;   // numbers per cache and token
+const total = ctx => ctx * v.batch * caches * per * bytes;
+const ctx = 2 ** v.log2ctx, b = total(ctx);
+const xs = [], ys = [];
+for (let p = 10; p <= 20; p++) { xs.push(2 ** p); ys.push(total(2 ** p) / 2 ** 30); }
+model("curve").data = {x: xs, y: ys};
+model("point").data = {x: [ctx], y: [b / 2 ** 30]};
+const units = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+const [unit, size] = units.find(([, s]) => b >= s) || ["bytes", 1];
+const amount = unit === "bytes" ? String(b) : (b / size).toPrecision(3);
+const who = share > 1 ? `${n(caches, "cache")} for ${n(v.layers, "layer")}` : n(v.layers, "layer");
+const what = lat > 0 ? `(${lat} + ${D.rope_dim})` : `${n(Hkv, "KV head")} × (${dh} + ${dh})`;
+const notes = [];
+if (lat > 0) notes.push("MLA: H_q, H_kv and the head width have no effect");
+else if (kvChoice > Hq) notes.push(`H_kv is at most H_q = ${Hq}`);
+else if (kvChoice > 0) {  // GQA or MQA: the bytes depend on H_kv alone
+  notes.push(`H_q has no effect, only H_kv (G = ${+(Hq / Hkv).toFixed(2)})`);
+}
+return `${who} × ${what} × ${n(bytes, "byte")} = ` +
+  `${(caches * per * bytes).toLocaleString("en-US")} bytes per token; × ${ctx.toLocaleString("en-US")}` +
+  ` tokens × ${n(v.batch, "sequence")} = ${amount} ${unit}.` +
+  (notes.length ? " " + notes.join("; ") + "." : "");
+"""
 
 
 def kv_cache_widget() -> Widget:
-    """A calculator of KV-cache memory: layers, heads, GQA groups, MLA latent, dtype, context.
+    """A calculator of KV-cache memory: layers and their sharing, heads (``H_q``, ``H_kv``), MLA,
+    number format, context length and batch.
 
     Examples
     --------
     >>> w = kv_cache_widget()
     >>> [c.name for c in w.controls]
-    ['layers', 'heads', 'groups', 'dh', 'latent', 'dtype', 'log2ctx', 'batch']
+    ['layers', 'heads', 'share', 'kvheads', 'dh', 'latent', 'dtype', 'log2ctx', 'batch']
     """
     controls = [
         Control("layers", "Layers", "range", 32, low=1, high=128),
-        Control("heads", "Query heads H", "range", 32, low=1, high=128),
+        Control("heads", "Query heads H_q", "range", 32, low=1, high=128),
         Control(
-            "groups",
-            "KV heads (GQA groups)",
+            "share",
+            "Layers sharing one KV cache",
             "select",
-            "8",
-            options=[
-                (str(g), str(g) if g else "as many as query heads (MHA)")
-                for g in (0, 1, 2, 4, 8, 16)
-            ],
+            "1",
+            options=[(str(k), str(k) if k > 1 else "1 (each layer its own)") for k in KV_SHARING],
         ),  # fmt: skip
         Control(
-            "dh", "Head width", "select", "128", options=[(d, d) for d in ("64", "128", "256")]
+            "kvheads",
+            "Key/value heads H_kv",
+            "select",
+            "8",
+            options=[("0", "H_q (multi-head)"), ("1", "1 (multi-query)")]
+            + [(str(g), str(g)) for g in (2, 4, 8, 16)],
+        ),  # fmt: skip
+        Control(
+            "dh",
+            "Head width D_k = D_v",
+            "select",
+            "128",
+            options=[(d, d) for d in ("64", "128", "256")],
         ),
         Control(
             "latent",
-            "MLA latent width (0: no MLA)",
+            "MLA latent width",
             "select",
             "0",
-            options=[(d, d) for d in ("0", "256", "512", "1024")],
+            options=[("0", "none (no MLA)")] + [(d, d) for d in ("256", "512", "1024")],
         ),  # fmt: skip
         Control(
             "dtype",
@@ -996,24 +1089,8 @@ def kv_cache_widget() -> Widget:
             ],
         ),  # fmt: skip
         Control("log2ctx", "Context length, log2 of tokens", "range", 15, low=10, high=20),
-        Control("batch", "Sequences in the batch", "range", 1, low=1, high=64),
+        Control("batch", "Sequences in the batch B", "range", 1, low=1, high=64),
     ]
-    code = """
-const heads = v.heads, groups = Number(v.groups), kvHeads = groups === 0 ? heads : Math.min(groups, heads);
-const lat = Number(v.latent), dh = Number(v.dh), bytes = Number(v.dtype);
-const per = lat > 0 ? lat + 64 : 2 * kvHeads * dh;   // numbers per layer and token
-const total = ctx => ctx * v.batch * v.layers * per * bytes;
-const ctx = 2 ** v.log2ctx, b = total(ctx);
-const xs = [], ys = [];
-for (let p = 10; p <= 20; p++) { xs.push(2 ** p); ys.push(total(2 ** p) / 2 ** 30); }
-model("curve").data = {x: xs, y: ys};
-model("point").data = {x: [ctx], y: [b / 2 ** 30]};
-const kind = lat > 0 ? `MLA, latent ${lat} + RoPE key 64` : `${kvHeads} KV heads of ${dh}`;
-return `${v.layers} layers, ${kind}, ${bytes} bytes per number: ` +
-  `${(per * v.layers * bytes).toLocaleString("en-US")} bytes per token; ` +
-  `${ctx.toLocaleString("en-US")} tokens × ${v.batch} sequence${v.batch > 1 ? "s" : ""}: ` +
-  `${b.toLocaleString("en-US")} bytes = ${(b / 2 ** 30).toFixed(2)} GiB.`;
-"""
     data = {"rope_dim": 64}
 
     def default_curve():
@@ -1047,12 +1124,12 @@ return `${v.layers} layers, ${kind}, ${bytes} bytes per number: ` +
 
     return Widget(
         name="kv-cache",
-        title="KV-cache memory: layers, heads, GQA groups, MLA, number format, context length",
+        title="KV-cache memory: layers and their sharing, heads, MLA, number format, context",
         alt="KV-cache memory against the context length, from 1,024 to about a million tokens, "
         "for 32 layers of 8 KV heads of width 128 in bfloat16; 32,768 tokens marked.",
         controls=controls,
         data=data,
-        code=code,
+        code=KV_CACHE_JS,
         layout=layout,
         static=static,
     )

@@ -4,7 +4,12 @@ Each widget page is opened as ``tests/book/test_site_browser.py`` opens every pa
 http, light; phone from file://, dark), with its rules for requests: nothing may leave the site.
 On each, every widget must come alive (BokehJS from the site's ``_static``), with no console
 error; its controls must be reachable and movable with the keyboard; and on the phone its text
-must be at least 9 CSS px. Then each widget is driven (a slider moved with the arrow keys, an
+must be at least 9 CSS px. The phone is a touch device (``has_touch``, ``is_mobile``) and the
+widgets must be made for fingers there: every slider 240 px wide or with -/+ buttons, and -/+
+buttons of at least 44 x 44 px on every slider of more than 40 steps (a tap moves one step); no
+label, menu or readout cut; a readout of at most four lines in any state the menus and the sliders'
+ends reach. In both modes the widget follows the theme, light and dark: no bright panel in the
+dark, legible text in both. Then each widget is driven (a slider moved with the arrow keys, an
 option chosen) and what it displays, the readout and the data of its figure, is compared with
 the package's values for that setting. Without JavaScript the static picture shows instead.
 
@@ -39,6 +44,10 @@ WIDGET_PAGES = {
 TIMEOUT_MS = 180_000
 MIN_TEXT_PX = 9.0
 MIN_CONTRAST = 4.5  # WCAG AA for text
+MIN_TRACK_PX = 240  # a slider without -/+ buttons, on the phone
+MAX_STEPS_WITHOUT_BUTTONS = 40  # beyond, a finger cannot hit one step on the track
+MIN_TARGET_PX = 44  # a -/+ button (WCAG 2.5.5)
+MAX_READOUT_LINES = 4  # on the phone
 
 # The lowest contrast between the widget's text (labels, menus, readout) and what is behind it.
 CONTRAST_JS = """
@@ -56,7 +65,7 @@ CONTRAST_JS = """
     return [255, 255, 255];
   };
   let worst = 21, what = "";
-  for (const el of root.querySelectorAll("label, output, select, .sdpa-widget-readout, .sdpa-widget-title")) {
+  for (const el of root.querySelectorAll("label, output, select, button, .sdpa-widget-readout, .sdpa-widget-title")) {
     if (el.offsetParent === null) continue;
     const a = lum(rgba(getComputedStyle(el).color)), b = lum(behind(el));
     const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
@@ -88,6 +97,178 @@ TEXT_SIZES_JS = """
 """
 
 
+# The sliders' widths, steps and -/+ buttons, and every piece of text cut by its box: a label,
+# output, button, title or readout whose text overflows, or a menu narrower than its longest
+# option (a copy of it at its natural width measures what it needs).
+FINGERS_JS = """
+(root) => {
+  const box = (el) => el.getBoundingClientRect();
+  const sliders = [], cut = [];
+  for (const s of root.querySelectorAll('input[type="range"]')) {
+    const buttons = Array.from(root.querySelectorAll(`button[aria-controls="${s.id}"]`))
+      .filter(b => b.offsetParent !== null).map(b => [box(b).width, box(b).height]);
+    sliders.push({name: s.name, width: box(s).width, buttons: buttons,
+                  steps: Math.round((Number(s.max) - Number(s.min)) / Number(s.step))});
+  }
+  for (const el of root.querySelectorAll("label, output, button, .sdpa-widget-title, .sdpa-widget-readout")) {
+    if (el.offsetParent !== null && el.scrollWidth > el.clientWidth)
+      cut.push(`${el.tagName} "${el.textContent}": ${el.scrollWidth} > ${el.clientWidth} px`);
+  }
+  for (const sel of root.querySelectorAll("select")) {
+    const copy = sel.cloneNode(true);
+    copy.style.cssText = "position: absolute; visibility: hidden; width: max-content; max-width: none";
+    sel.parentElement.appendChild(copy);
+    const need = box(copy).width, have = box(sel).width;
+    copy.remove();
+    if (need > have + 0.5) cut.push(`menu ${sel.name}: needs ${need} px, has ${have} px`);
+  }
+  return {sliders: sliders, cut: cut};
+}
+"""
+
+# The readout's most lines (its height over its line height) over the states a reader reaches
+# with each menu's every option and each slider's two ends, one control at a time; the
+# controls are put back after.
+READOUT_LINES_JS = """
+(root) => {
+  const readout = root.querySelector(".sdpa-widget-readout");
+  const lines = () => Math.round(readout.getBoundingClientRect().height /
+                                 parseFloat(getComputedStyle(readout).lineHeight));
+  let most = lines(), text = readout.textContent;
+  const look = () => { const n = lines(); if (n > most) { most = n; text = readout.textContent; } };
+  for (const c of root.querySelectorAll("[data-sdpa-control]")) {
+    const before = c.value;
+    const values = c.tagName === "SELECT" ? Array.from(c.options, o => o.value) : [c.min, c.max];
+    for (const value of values) {
+      c.value = value;
+      c.dispatchEvent(new Event("input", {bubbles: true}));
+      look();
+    }
+    c.value = before;
+    c.dispatchEvent(new Event("input", {bubbles: true}));
+  }
+  return [most, text];
+}
+"""
+
+# The longest readouts a reader can reach beyond one control at a time: the KV calculator with
+# every control far from its default (the most digits, a sharing, a fractional G, MLA).
+LONG_STATES = {
+    "kv-cache": [
+        dict(layers=128, heads=113, kvheads="16", dh="256", dtype="4", log2ctx=20, batch=64,
+             share="3"),
+        dict(layers=127, heads=128, kvheads="0", latent="1024", dtype="1", log2ctx=20, batch=63,
+             share="3"),
+        dict(layers=100, heads=100, kvheads="8", latent="0", dh="256", dtype="1", log2ctx=17,
+             batch=1, share="8"),
+    ],
+}  # fmt: skip
+SET_AND_COUNT_LINES_JS = """
+([root, state]) => {
+  for (const [name, value] of Object.entries(state)) {
+    const c = root.querySelector(`[data-sdpa-control][name="${name}"]`);
+    c.value = String(value);
+    c.dispatchEvent(new Event("input", {bubbles: true}));
+  }
+  const readout = root.querySelector(".sdpa-widget-readout");
+  return [Math.round(readout.getBoundingClientRect().height /
+                     parseFloat(getComputedStyle(readout).lineHeight)), readout.textContent];
+}
+"""
+
+# The relative luminance of the widget's panel (what is behind its readout) and of each of its
+# figures' backgrounds.
+BRIGHTNESS_JS = """
+(root) => {
+  const lum = (c) => {
+    const [r, g, b] = c.map(x => { x /= 255; return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const parse = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+  let panel = [255, 255, 255];
+  for (let e = root.querySelector(".sdpa-widget-readout"); e; e = e.parentElement) {
+    const c = parse(getComputedStyle(e).backgroundColor);
+    if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) { panel = c.slice(0, 3); break; }
+  }
+  const probe = document.createElement("span");
+  document.body.appendChild(probe);
+  const figures = [];
+  for (const m of root.sdpaDocument.all_models) {
+    if (typeof m.background_fill_color !== "string" || !Array.isArray(m.renderers)) continue;
+    probe.style.color = m.background_fill_color;
+    figures.push(lum(parse(getComputedStyle(probe).color).slice(0, 3)));
+  }
+  probe.remove();
+  return {panel: lum(panel), figures: figures};
+}
+"""
+
+
+TICKS_JS = """
+(root) => {
+  const out = [];
+  for (const p of root.sdpaDocument.all_models) {
+    if (!Array.isArray(p.below) || !p.x_range) continue;
+    for (const [axes, r] of [[p.below, p.x_range], [p.left, p.y_range]]) for (const axis of axes) {
+      const lo = Math.min(r.start, r.end), hi = Math.max(r.start, r.end);
+      const ticks = axis.ticker.get_ticks(lo, hi, r, NaN).major;
+      out.push([axis.axis_label || "", Array.from(ticks).filter(x => x >= lo && x <= hi)]);
+    }
+  }
+  return out;
+}
+"""
+
+
+def _set_theme(visit, theme: str) -> None:
+    """Switch the page's theme as the theme's button does (the widget follows it)."""
+    visit.page.evaluate("t => { document.documentElement.dataset.theme = t; }", theme)
+    visit.page.wait_for_timeout(50)  # the widgets' observer recolours the figures
+
+
+def _check_theme(widget, theme: str) -> None:
+    bright = widget.evaluate(BRIGHTNESS_JS)
+    if theme == "dark":  # no bright panel, no white figure
+        assert bright["panel"] < 0.1, f"a bright panel in the dark theme: {bright}"
+        assert bright["figures"] and max(bright["figures"]) < 0.1, bright
+    else:
+        assert bright["panel"] > 0.8 and min(bright["figures"]) > 0.8, bright
+    contrast, where = widget.evaluate(CONTRAST_JS)
+    assert contrast >= MIN_CONTRAST, f"{theme}: text contrast {contrast:.2f} at {where}"
+
+
+def _check_fingers(widget, mode: str) -> None:
+    found = widget.evaluate(FINGERS_JS)
+    assert not found["cut"], found["cut"]
+    for s in found["sliders"]:
+        has_buttons = len(s["buttons"]) == 2 and all(
+            w >= MIN_TARGET_PX and h >= MIN_TARGET_PX for w, h in s["buttons"]
+        )
+        if s["steps"] > MAX_STEPS_WITHOUT_BUTTONS:
+            assert has_buttons, f"{s['name']}: {s['steps']} steps, buttons {s['buttons']}"
+        if mode == "phone":
+            assert s["width"] >= MIN_TRACK_PX or has_buttons, s
+
+
+def _check_step_buttons(visit, widget, name: str, tap: bool) -> None:
+    """The first slider's + and - buttons move it by one step each, and change the readout."""
+    slider = widget.locator('input[type="range"]').first
+    if not slider.count():
+        return
+    ident, step = slider.get_attribute("id"), float(slider.get_attribute("step"))
+    up = widget.locator(f'button[aria-controls="{ident}"][data-sdpa-step="1"]')
+    down = widget.locator(f'button[aria-controls="{ident}"][data-sdpa-step="-1"]')
+    if slider.input_value() == slider.get_attribute("max"):
+        up, down, step = down, up, -step
+    before, text = float(slider.input_value()), visit.readout(name)
+    up.tap() if tap else up.click()
+    assert float(slider.input_value()) == pytest.approx(before + step)
+    assert visit.readout(name) != text
+    down.tap() if tap else down.click()
+    assert float(slider.input_value()) == pytest.approx(before)
+    assert visit.readout(name) == text
+
+
 @pytest.fixture(scope="module")
 def server():
     with serve(SITE) as base:
@@ -114,6 +295,8 @@ class Visit:
             viewport=MODES[mode]["viewport"],
             service_workers="block",
             java_script_enabled=javascript,
+            has_touch=mode == "phone",  # a phone: touch events, the mobile viewport
+            is_mobile=mode == "phone",
         )
         self.page = self.context.new_page()
         page, problems = self.page, self.problems
@@ -142,6 +325,11 @@ class Visit:
             }""",
             source,
         )
+
+    def ticks(self, name: str) -> list:
+        """``(axis label, major ticks)`` of each axis of the widget's figures, as Bokeh
+        computes them for the axis's range (the ticks inside it)."""
+        return self.widget(name).evaluate(TICKS_JS)
 
     def choose(self, name: str, control: str, value: str) -> None:
         self.widget(name).locator(f'select[name="{control}"]').select_option(value)
@@ -207,8 +395,27 @@ def test_widget_comes_alive_offline(browser, server, page, mode):
                 "ArrowLeft" if before == slider.get_attribute("max") else "ArrowRight"
             )
             assert slider.input_value() != before and visit.readout(name) != text
-        contrast, where = widget.evaluate(CONTRAST_JS)
-        assert contrast >= MIN_CONTRAST, f"text contrast {contrast:.2f} at {where}"
+        # made for fingers: slider widths, -/+ buttons that move one step, nothing cut
+        _check_fingers(widget, mode)
+        _check_step_buttons(visit, widget, name, tap=mode == "phone")
+        for label, ticks in visit.ticks(name):  # positions and blocks are whole numbers
+            if "key" in label or "query" in label:
+                assert ticks and all(t == int(t) for t in ticks), (label, ticks)
+        if mode == "phone":
+            lines, text = widget.evaluate(READOUT_LINES_JS)
+            assert lines <= MAX_READOUT_LINES, f"{lines} lines: {text}"
+            for state in LONG_STATES.get(name, []):
+                lines, text = visit.page.evaluate(
+                    SET_AND_COUNT_LINES_JS, [widget.element_handle(), state]
+                )
+                assert lines <= MAX_READOUT_LINES, f"{lines} lines: {text}"
+        # the theme: the mode's own, then the other one, as the theme's button switches it
+        theme = MODES[mode]["scheme"]
+        _check_theme(widget, theme)
+        other = "light" if theme == "dark" else "dark"
+        _set_theme(visit, other)
+        _check_theme(widget, other)
+        _check_fingers(widget, mode)
         if mode == "phone":
             sizes = widget.evaluate(TEXT_SIZES_JS)
             assert sizes and min(sizes) >= MIN_TEXT_PX, sorted(sizes)[:5]
@@ -274,13 +481,25 @@ def test_mask_widget_shows_the_package_weights(desktop):
         empty = int((~allowed.any(axis=1)).sum())
         text = visit.readout("masks")
         assert (f"{empty} quer" in text) == (empty > 0), text
+        # whole positions only on both axes, every one of them when there are few
+        for label, ticks in visit.ticks("masks"):
+            n = S if label.startswith("key") else T
+            assert ticks == list(range(n)), (kind, T, S, label, ticks)
 
 
 def test_flash_widget_steps_through_the_package_loop(desktop):
     visit = desktop("cost/memory-efficient.html")
+    slider = visit.widget("flash-loop").locator('input[name="step"]')
     for mask in ("full", "causal"):
         visit.choose("flash-loop", "mask", mask)
         states = flash_states(is_causal=mask == "causal")
+        # the slider ends at the mask's last tile, as many as the package's loop computes
+        tiles = len(sdpa_tiles(is_causal=mask == "causal"))
+        assert len(states["tiles"]) == tiles
+        assert int(slider.get_attribute("max")) == tiles
+        visit.slide("flash-loop", "step", "End")
+        assert int(slider.input_value()) == tiles
+        assert visit.readout("flash-loop").startswith(f"Tile {tiles} of {tiles}:")
         visit.slide("flash-loop", "step", "Home")
         for n in range(1, len(states["tiles"]) + 1):
             if n > 1:
@@ -298,6 +517,19 @@ def test_flash_widget_steps_through_the_package_loop(desktop):
             :, 0
         ]
         np.testing.assert_allclose(visit.source("flash-loop", "outputs")["out"], exact, atol=2e-6)
+    # back to no mask: the slider reaches the full loop's last tile again
+    visit.choose("flash-loop", "mask", "full")
+    visit.slide("flash-loop", "step", "End")
+    tiles = len(sdpa_tiles(is_causal=False))
+    assert int(slider.get_attribute("max")) == tiles == int(slider.input_value())
+
+
+def sdpa_tiles(is_causal: bool) -> list:
+    """The tiles ``sdpa.blocked_attention`` computes on the widget's inputs (its own trace)."""
+    tiles = []
+    sdpa.blocked_attention(*_flash_inputs(), block_q=4, block_k=2, is_causal=is_causal,
+                           on_tile=lambda i, j: tiles.append((i, j)))  # fmt: skip
+    return tiles
 
 
 def _flash_inputs():
@@ -358,45 +590,108 @@ def test_lm_widget_shows_each_heads_map(desktop):
     assert steps[0] == 0 and steps == sorted(steps)
 
 
+def _set_kv(visit, **s) -> str:
+    """Set the KV calculator's controls (menus by value, sliders with the keyboard); its readout."""
+    widget = visit.widget("kv-cache")
+    for name in ("kvheads", "dh", "latent", "dtype", "share"):
+        if name in s:
+            visit.choose("kv-cache", name, s[name])
+    for name in ("layers", "heads", "log2ctx", "batch"):
+        if name in s:
+            slider = widget.locator(f'input[name="{name}"]')
+            low, high = int(slider.get_attribute("min")), int(slider.get_attribute("max"))
+            if s[name] - low <= high - s[name]:  # from the nearer end: fewer key presses
+                visit.slide("kv-cache", name, "Home")
+                visit.slide("kv-cache", name, "ArrowRight", s[name] - low)
+            else:
+                visit.slide("kv-cache", name, "End")
+                visit.slide("kv-cache", name, "ArrowLeft", high - s[name])
+            assert int(slider.input_value()) == s[name]
+    return visit.readout("kv-cache")
+
+
+UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
 def test_kv_cache_calculator_matches_the_python_formula(desktop):
     visit = desktop("modern/kv-cache.html")
     settings = [
-        dict(layers=32, heads=32, groups="8", dh="128", latent="0", dtype="2", log2ctx=15, batch=1),
-        dict(layers=80, heads=64, groups="0", dh="128", latent="0", dtype="4", log2ctx=12, batch=8),
-        dict(
-            layers=61, heads=128, groups="1", dh="64", latent="512", dtype="1", log2ctx=17, batch=3
-        ),
-        dict(
-            layers=24, heads=12, groups="16", dh="256", latent="0", dtype="2", log2ctx=20, batch=2
-        ),
-    ]
-    widget = visit.widget("kv-cache")
+        dict(layers=32, heads=32, kvheads="8", dh="128", latent="0", dtype="2", log2ctx=15,
+             batch=1, share="1"),
+        dict(layers=80, heads=64, kvheads="0", dh="128", latent="0", dtype="4", log2ctx=12,
+             batch=8, share="2"),
+        dict(layers=61, heads=128, kvheads="1", dh="64", latent="512", dtype="1", log2ctx=17,
+             batch=3, share="3"),
+        dict(layers=24, heads=12, kvheads="16", dh="256", latent="0", dtype="2", log2ctx=20,
+             batch=2, share="1"),
+        dict(layers=1, heads=1, kvheads="1", dh="64", latent="0", dtype="1", log2ctx=10,
+             batch=1, share="8"),
+    ]  # fmt: skip
     for s in settings:
-        for name in ("groups", "dh", "latent", "dtype"):
-            visit.choose("kv-cache", name, s[name])
-        for name in ("layers", "heads", "log2ctx", "batch"):
-            slider = widget.locator(f'input[name="{name}"]')
-            low = int(slider.get_attribute("min"))
-            visit.slide("kv-cache", name, "Home")
-            visit.slide("kv-cache", name, "ArrowRight", s[name] - low)
-            assert int(slider.input_value()) == s[name]
-        groups = int(s["groups"])
-        kv_heads = s["heads"] if groups == 0 else min(groups, s["heads"])
-        want = kv_cache_bytes(
-            2 ** s["log2ctx"],
+        text = _set_kv(visit, **s)
+        kv = int(s["kvheads"])
+        kv_heads = s["heads"] if kv == 0 else min(kv, s["heads"])
+        shape = dict(
             layers=s["layers"],
             kv_heads=kv_heads,
             head_dim=int(s["dh"]),
             dtype_bytes=int(s["dtype"]),
-            batch=s["batch"],
             latent=int(s["latent"]),
             rope_dim=64 if int(s["latent"]) else 0,
+            layers_per_cache=int(s["share"]),
         )
-        text = visit.readout("kv-cache")
-        shown = int(re.search(r"([\d,]+) bytes =", text).group(1).replace(",", ""))
-        assert shown == want, text
+        want = kv_cache_bytes(2 ** s["log2ctx"], batch=s["batch"], **shape)
+        per_token = int(re.search(r"([\d,]+) bytes per token", text).group(1).replace(",", ""))
+        assert per_token == kv_cache_bytes(1, **shape), text
+        amount, unit = re.search(r"= ([\d.]+) (bytes|[KMGT]iB)\.", text).groups()
+        assert float(amount) * UNITS[unit] == pytest.approx(want, rel=5e-3), text
+        assert 1 <= float(amount) < 1024 or unit == "bytes", text  # a readable unit
         point = visit.source("kv-cache", "point")
         assert point["y"][0] == pytest.approx(want / 2**30, rel=1e-12)
+
+
+def test_kv_cache_calculator_speaks_the_books_words(desktop):
+    visit = desktop("modern/kv-cache.html")
+    widget = visit.widget("kv-cache")
+    labels = " | ".join(widget.locator("label").all_inner_texts())
+    assert "H_q" in labels and "H_kv" in labels and "GQA groups" not in labels, labels
+    assert "sharing one KV cache" in labels, labels
+    # plurals: one layer, one KV head, one byte, one sequence
+    text = _set_kv(visit, layers=1, heads=4, kvheads="1", dh="64", latent="0", dtype="1",
+                   batch=1, share="1", log2ctx=10)  # fmt: skip
+    assert text.startswith("1 layer × 1 KV head × (64 + 64) × 1 byte = 128 bytes per token"), text
+    assert "× 1 sequence =" in text
+    # eight layers a cache, one layer: one cache
+    assert _set_kv(visit, share="8").startswith("1 cache for 1 layer × 1 KV head ×")
+    _set_kv(visit, share="1")
+    for wrong in ("1 layers", "1 KV heads", "1 bytes", "1 sequences"):
+        assert wrong not in text, text
+    text = _set_kv(visit, layers=2, kvheads="2", dtype="2", batch=2)
+    assert text.startswith("2 layers × 2 KV heads × (64 + 64) × 2 bytes ="), text
+    assert "× 2 sequences =" in text
+    # under GQA the query heads change nothing, and the readout says why
+    _set_kv(visit, layers=32, heads=32, kvheads="8", dh="128", dtype="2", log2ctx=15)
+    gqa = visit.readout("kv-cache")
+    assert "H_q has no effect" in gqa and "G = 4" in gqa, gqa
+    other = _set_kv(visit, heads=64)
+    assert "G = 8" in other
+    assert _numbers(other.split(".")[0]) == _numbers(gqa.split(".")[0])  # the same bytes
+    # under multi-head attention they do, and no note says otherwise
+    mha = _set_kv(visit, kvheads="0")
+    assert "no effect" not in mha and "64 KV heads" in mha, mha
+    # under MLA neither kind of head nor the head width matters
+    mla = _set_kv(visit, latent="512")
+    assert "MLA: H_q, H_kv and the head width have no effect" in mla, mla
+    assert _set_kv(visit, dh="256", kvheads="2").split(". MLA")[0] == mla.split(". MLA")[0]
+    _set_kv(visit, latent="0")
+    # layers sharing one cache divide the bytes by the sharing
+    one = _set_kv(visit, share="1", kvheads="8", dh="128", heads=32)
+    per_one = int(re.search(r"([\d,]+) bytes per token", one).group(1).replace(",", ""))
+    two = _set_kv(visit, share="2")
+    per_two = int(re.search(r"([\d,]+) bytes per token", two).group(1).replace(",", ""))
+    assert per_two * 2 == per_one and two.startswith("16 caches for 32 layers ×"), two
+    # no more key/value heads than query heads
+    assert "H_kv is at most H_q = 4" in _set_kv(visit, share="1", heads=4, kvheads="16")
 
 
 def test_bokehjs_is_served_by_the_site_to_the_widget_pages_only(site):  # noqa: F811

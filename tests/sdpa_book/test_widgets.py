@@ -189,3 +189,59 @@ def test_lm_widget_wants_the_model_last_among_its_snapshots():
     early, late = _small_lm(0), _small_lm(1)
     with pytest.raises(ValueError, match="the last of the snapshots must be the model itself"):
         widgets.lm_attention_widget(late, [[0, 1, 2]], ["a"], snapshots=[(0, late), (9, early)])
+
+
+def test_kv_cache_bytes_shared_layers_by_hand():
+    # 32 layers in pairs: 16 caches; each holds 2 * 8 * 128 = 2,048 numbers a token, 4,096 bytes
+    # in 16 bits; 16 caches: 65,536 bytes a token; 1,000 tokens: 65,536,000 bytes
+    assert (
+        kv_cache_bytes(1000, layers=32, kv_heads=8, head_dim=128, dtype_bytes=2, layers_per_cache=2)
+        == 65_536_000
+    )
+    # 30 layers in fours: 7 groups of 4 and one of 2, 8 caches; 2 * 4 * 64 = 512 numbers, one
+    # byte each, for 3 sequences of 10 tokens: 8 * 512 * 30 = 122,880
+    assert (
+        kv_cache_bytes(
+            10, layers=30, kv_heads=4, head_dim=64, dtype_bytes=1, batch=3, layers_per_cache=4
+        )
+        == 122_880
+    )
+    # MLA with 3 layers a cache over 61 layers: 21 caches of (512 + 64) numbers in 16 bits
+    assert (
+        kv_cache_bytes(
+            1, layers=61, kv_heads=1, head_dim=128, dtype_bytes=2, latent=512, rope_dim=64,
+            layers_per_cache=3,
+        )
+        == 21 * 576 * 2
+    )  # fmt: skip
+    # more layers a cache than layers: one cache
+    assert (
+        kv_cache_bytes(1, layers=2, kv_heads=1, head_dim=4, dtype_bytes=4, layers_per_cache=8)
+        == 2 * 4 * 4
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "2", True])
+def test_kv_cache_bytes_rejects_a_bad_sharing(bad):
+    with pytest.raises(ValueError, match=r"layers_per_cache must be .* got"):
+        kv_cache_bytes(1, layers=2, kv_heads=1, head_dim=4, dtype_bytes=4, layers_per_cache=bad)
+
+
+def test_every_slider_has_step_buttons_of_its_own():
+    for build in BUILDERS:
+        text = build()._repr_html_()
+        for ident in re.findall(r'<input type="range" id="([^"]+)"', text):
+            buttons = re.findall(
+                rf'<button type="button" class="sdpa-step" data-sdpa-step="(-?1)"'
+                rf' aria-controls="{ident}" aria-label="[^"]+: one step (?:down|up)">',
+                text,
+            )
+            assert sorted(buttons) == ["-1", "1"], (build.__name__, ident)
+
+
+def test_kv_calculator_speaks_the_books_letters():
+    w = widgets.kv_cache_widget()
+    labels = {c.name: c.label for c in w.controls}
+    assert "H_q" in labels["heads"] and "H_kv" in labels["kvheads"]
+    assert "GQA groups" not in w._repr_html_()
+    assert dict(next(c for c in w.controls if c.name == "share").options)["1"].startswith("1")
