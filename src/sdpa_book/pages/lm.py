@@ -24,6 +24,7 @@ the recipe against :func:`train_lm` and hands its model on with :func:`remember`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -38,6 +39,11 @@ from threadpoolctl import threadpool_limits
 
 import sdpa
 from sdpa.nn import AdamW, DecoderLM, cross_entropy
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: there each page trains what it needs
+    fcntl = None
 
 __all__ = ["Corpus", "Trained", "corpus_data", "remember", "train_lm", "trained_lm"]
 
@@ -295,21 +301,42 @@ def _save(result: Trained, path: Path) -> None:
     os.replace(f.name, path)  # atomic: a reader never sees half a file
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold ``<path>.lock`` exclusively: in a parallel build, two pages that need the same model
+    at once train it once, the second waiting for the first's file (where ``fcntl`` exists)."""
+    if fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _load(arguments: dict, path: Path) -> Trained:
+    with np.load(path) as saved:
+        options = {k: v for k, v in arguments.items() if k not in TRAINING}
+        data = corpus_data(arguments.get("T", 32), arguments.get("bos", False))
+        model = _new_model(data, arguments.get("seed", 0), options)
+        for name in model.params:
+            model.params[name] = saved["param/" + name]
+        return Trained(model, data, saved["train_loss"], saved["val_loss"])
+
+
 def _trained(arguments: dict) -> Trained:
     path = _path(arguments)
     if path is None:
         return train_lm(**arguments)
-    if path.exists():
-        with np.load(path) as saved:
-            options = {k: v for k, v in arguments.items() if k not in TRAINING}
-            data = corpus_data(arguments.get("T", 32), arguments.get("bos", False))
-            model = _new_model(data, arguments.get("seed", 0), options)
-            for name in model.params:
-                model.params[name] = saved["param/" + name]
-            return Trained(model, data, saved["train_loss"], saved["val_loss"])
-    result = train_lm(**arguments)
-    _save(result, path)
-    return result
+    with _locked(path):
+        if path.exists():
+            return _load(arguments, path)
+        result = train_lm(**arguments)
+        _save(result, path)
+        return result
 
 
 TRAINING = {"steps", "lr", "batch", "seed", "T", "bos", "eval_every"}

@@ -1,5 +1,8 @@
 """The book's shared language model: the corpus, the recipe and the cache that reuses it."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -51,6 +54,35 @@ def test_trained_lm_reuses_the_saved_model_bit_for_bit(tmp_path, monkeypatch):
     lm.trained_lm(steps=4, T=8)  # other arguments, another file
     assert len(list(tmp_path.glob("lm-*.npz"))) == 2
     lm._IN_MEMORY.clear()
+
+
+@pytest.mark.skipif(lm.fcntl is None, reason="no fcntl: pages train apart (Windows)")
+def test_pages_that_need_the_same_model_at_once_train_it_once(tmp_path, monkeypatch):
+    # Two kernels of a parallel build ask for the same model: one trains, the other waits for
+    # its file and reads it.
+    monkeypatch.setenv("SDPA_MODEL_CACHE", str(tmp_path))
+    calls = []
+    train = lm.train_lm
+
+    def counted(**arguments):
+        calls.append(arguments)
+        time.sleep(0.3)  # long enough for the other thread to arrive meanwhile
+        return train(**arguments)
+
+    monkeypatch.setattr(lm, "train_lm", counted)
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(lm._trained(dict(steps=3, T=8))))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1
+    assert len(results) == 2
+    for name, value in results[0].model.params.items():
+        assert np.array_equal(results[1].model.params[name], value)
 
 
 def test_training_lowers_the_loss():
