@@ -36,6 +36,10 @@ stability
     (``book/measured/differential-attention.md``): what the pages record while a model trains
     (attention logits and entropies) and Kimi K2's QK-clip as a training callback
     (:class:`~sdpa_book.pages.stability.QKClip`).
+indexer
+    *Choosing the keys* (``book/modern/sparse-selection.md``): DeepSeek's lightning indexer as a
+    top-k mask and its KL warm-up on the trained model, and compressed sparse attention from
+    two ``flex_attention`` branches merged by their log-sum-exps.
 low_precision
     *Attention in low precision* (``book/measured/low-precision.md``): rounding to FP8, bf16
     and fp16 exactly, scales per tensor, head or block, and attention with quantised products.
