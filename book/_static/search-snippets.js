@@ -1,3 +1,6 @@
+// Two fixes of the text as readers meet it: search snippets (below) and inline maths that keep
+// their punctuation (at the end).
+//
 // Search results show a snippet of each page: Sphinx takes it from the page's main region, which
 // in this theme also holds the header's buttons ("Light", "Dark"), the page's own table of
 // contents (for print), and the raw TeX of formulas (MathJax typesets them only in a browser).
@@ -73,4 +76,30 @@
   }
   // searchtools.js is loaded after this file and searches once the document is ready.
   document.addEventListener("DOMContentLoaded", keepProse);
+})();
+
+// Inline maths keep the punctuation that follows them. A typeset formula is an inline box, and a
+// browser may break the line between it and the comma after it, which then opens the next line.
+// The formula and its punctuation go into one span that does not wrap (sdpa.css), while the
+// formula itself may still break inside. Loaded on every page, with the snippets above.
+(function () {
+  const PUNCTUATION = /^[,.;:!?)\]’”]+/;
+  function keepPunctuation() {
+    document.querySelectorAll("span.math").forEach((math) => {
+      const next = math.nextSibling;
+      if (!next || next.nodeType !== Node.TEXT_NODE) return;
+      const mark = next.textContent.match(PUNCTUATION);
+      if (!mark || math.parentElement.classList.contains("math-punct")) return;
+      const pair = document.createElement("span");
+      pair.className = "math-punct";
+      math.before(pair);
+      pair.append(math, mark[0]);
+      next.textContent = next.textContent.slice(mark[0].length);
+    });
+  }
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", keepPunctuation);
+  } else {
+    keepPunctuation();
+  }
 })();
