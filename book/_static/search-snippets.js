@@ -86,14 +86,20 @@
   const PUNCTUATION = /^[,.;:!?)\]’”]+/;
   function keepPunctuation() {
     document.querySelectorAll("span.math").forEach((math) => {
-      const next = math.nextSibling;
+      // A formula that is all of a link ([$E$](...), then a comma) brings its link along.
+      let unit = math;
+      while (!unit.nextSibling && unit.parentElement.childNodes.length === 1
+             && /^(A|SPAN|EM|STRONG)$/.test(unit.parentElement.tagName)) {
+        unit = unit.parentElement;
+      }
+      const next = unit.nextSibling;
       if (!next || next.nodeType !== Node.TEXT_NODE) return;
       const mark = next.textContent.match(PUNCTUATION);
-      if (!mark || math.parentElement.classList.contains("math-punct")) return;
+      if (!mark || unit.parentElement.classList.contains("math-punct")) return;
       const pair = document.createElement("span");
       pair.className = "math-punct";
-      math.before(pair);
-      pair.append(math, mark[0]);
+      unit.before(pair);
+      pair.append(unit, mark[0]);
       next.textContent = next.textContent.slice(mark[0].length);
     });
   }
