@@ -130,11 +130,13 @@ def _check_bias(b, name: str, width: int) -> np.ndarray | None:
 
 
 class MultiHeadAttention:
-    r"""Multi-head attention, ``concat(head_1, ..., head_Hq) W_o``, with explicit weights.
+    r"""Multi-head attention, ``concat(head_0, ..., head_{Hq-1}) W_o``, with explicit weights.
 
+    Heads are numbered from 0, as the book numbers them:
     ``head_h = attention(X_q W_q^{(h)}, X_kv W_k^{(g)}, X_kv W_v^{(g)})`` where ``g = h // G``
     and ``G = Hq / Hkv`` (``G = 1``: multi-head; ``Hkv = 1``: multi-query; otherwise
-    grouped-query attention).
+    grouped-query attention). ``W_q^{(h)}`` is the ``h``-th block of ``Dk`` columns of ``W_q``,
+    and head ``h`` is at index ``h`` of the weights' head axis.
 
     Parameters
     ----------
@@ -181,6 +183,16 @@ class MultiHeadAttention:
     ((2, 5, 16), (2, 4, 5, 5))
     >>> float(np.round(w[0, 3, 0, 0], 6))  # the first token can only attend to itself
     1.0
+
+    Head 0 uses the first ``Dk`` columns of ``W_q`` and key/value head ``0 // G = 0``:
+
+    >>> from sdpa import scaled_dot_product_attention
+    >>> Dk = mha.W_q.shape[1] // 4
+    >>> q0, k0 = x @ mha.W_q[:, :Dk], x @ mha.W_k[:, :Dk]
+    >>> v0 = x @ mha.W_v[:, : mha.W_v.shape[1] // 2]
+    >>> _, w0 = scaled_dot_product_attention(q0, k0, v0, is_causal=True, return_weights=True)
+    >>> bool(np.allclose(w0, w[:, 0]))
+    True
     """
 
     def __init__(
