@@ -1,21 +1,20 @@
-"""The theme's icons without Font Awesome's script: a small stylesheet draws the few the book shows.
+"""The theme's icons without Font Awesome's script: each drawn as the inline SVG that script made.
 
 pydata-sphinx-theme loads ``fontawesome.js`` (1.5 MB) on every page to replace each
-``<i class="fa-solid fa-bars">`` of the header and sidebars by an SVG of that icon. The book's
-template (``book/_templates/layout.html``) drops that script (with the Jinja filter
-``sdpa_without_fontawesome`` registered here), and once the html build has finished this
-extension collects the icons the written pages name, takes each one's outline from the theme's
-own copy of Font Awesome (so the shapes are the theme's), and writes ``_static/sdpa-icons.css``:
-one rule per icon drawing it as a CSS mask filled with the text colour (so it follows the light
-and dark themes), sized as Font Awesome's own SVGs are (1.25 em wide, 1 em high). An icon that
-the theme's Font Awesome does not have fails the build.
+``<i class="fa-solid fa-bars">`` of the header and sidebars by an ``<svg>`` of that icon, and to
+add its own style sheet. The book's template (``book/_templates/layout.html``) drops that script
+(with the Jinja filter ``sdpa_without_fontawesome`` registered here). Once the html build has
+written its pages, this extension does the script's work in advance: it replaces each such ``<i>``
+by the same ``<svg>`` (same classes, outline taken from the theme's own copy of Font Awesome) and
+writes Font Awesome's style sheet, taken from the same file, to ``_static/sdpa-icons.css``. The
+pages look as they did, with a few kB of icons instead of the script. An icon the theme's Font
+Awesome lacks fails the build; an icon a script adds later still shows, in the theme's web font.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from urllib.parse import quote
 
 from markupsafe import Markup
 from sphinx.errors import ExtensionError
@@ -24,13 +23,17 @@ from sphinx.util import logging
 logger = logging.getLogger(__name__)
 
 CSS_NAME = "sdpa-icons.css"
-# Font Awesome's style classes: the long and short names of its three free sets.
+# Font Awesome's style classes (long and short names of its three free sets) and the set each
+# names; an icon with none is solid, as in Font Awesome.
 STYLES = {"fa-solid": "fas", "fas": "fas", "fa-regular": "far", "far": "far",
           "fa-brands": "fab", "fab": "fab"}  # fmt: skip
 # Classes of Font Awesome that are not icons (sizes, fixed width, animations).
 NOT_ICONS = {"fa-lg", "fa-fw", "fa-xs", "fa-sm", "fa-xl", "fa-2xs", "fa-2xl", "fa-spin"}
-_I_TAG = re.compile(r'<i\b[^>]*\bclass="([^"]*\bfa-[^"]*)"')
+# An empty <i> or <span> with a class "fa-...": the elements fontawesome.js replaces.
+_I_ELEMENT = re.compile(r'<(i|span)\b([^>]*?)\bclass="((?:[^"]* )?fa-[^"]*)"([^>]*)>\s*</\1>')
 _SCRIPT = re.compile(r"\n?\s*<script[^>]*fontawesome\.js[^>]*></script>")
+# The style sheet fontawesome.js adds to a page: a string in the script, ":root, :host {...".
+_CSS = re.compile(r'="(:root, :host \{(?:[^"\\]|\\.)*)"')
 
 
 def without_fontawesome(markup: str) -> Markup:
@@ -74,65 +77,79 @@ def icon_sets(script: str) -> dict[str, dict[str, tuple[int, int, str]]]:
     return sets
 
 
+def _icon(classes: str) -> tuple[str, str, list[str]]:
+    """(set, icon name, other classes) of an ``<i>``'s classes."""
+    names = classes.split()
+    style = next((STYLES[n] for n in names if n in STYLES), "fas")
+    icons = [n for n in names if n.startswith("fa-") and n not in STYLES and n not in NOT_ICONS]
+    if len(icons) != 1:
+        raise ExtensionError(f"expected one Font Awesome icon in class={classes!r}")
+    others = [n for n in names if n not in STYLES and n != icons[0]]
+    # fontawesome.js puts its own classes first, then the size classes, then the page's own.
+    others.sort(key=lambda n: 0 if n in NOT_ICONS else 1)
+    return style, icons[0][3:], others
+
+
 def icons_used(pages: list[str]) -> set[tuple[str, str]]:
-    """The (set, name) of every Font Awesome icon the pages' ``<i>`` elements name."""
-    used = set()
-    for page in pages:
-        for classes in _I_TAG.findall(page):
-            names = classes.split()
-            style = next((STYLES[n] for n in names if n in STYLES), "fas")
-            used |= {
-                (style, n[3:])
-                for n in names
-                if n.startswith("fa-") and n not in STYLES and n not in NOT_ICONS
-            }
-    return used
+    """The (set, name) of every Font Awesome icon the pages' ``<i>`` and ``<span>`` name."""
+    return {_icon(m[3])[:2] for page in pages for m in _I_ELEMENT.finditer(page)}
 
 
-def stylesheet(used: set[tuple[str, str]], sets: dict) -> str:
-    """One mask rule per icon, and the size Font Awesome gives its SVGs."""
-    missing = sorted(f"{s} {n}" for s, n in used if n not in sets.get(s, {}))
-    if missing:
-        raise ExtensionError(f"icons the theme's Font Awesome does not have: {missing}")
-    selector = ", ".join(f"i.{name}" for name in STYLES)
-    lines = [
-        "/* The theme's Font Awesome icons, drawn without its script (book/_ext/sdpa_icons.py).",
-        "   Icons: Font Awesome Free, CC BY 4.0, https://fontawesome.com/license/free */",
-        f"{selector} {{",
-        "  display: inline-block; box-sizing: content-box; width: 1.25em; height: 1em;",
-        "  vertical-align: -0.125em; background-color: currentColor;",
-        "  -webkit-mask: var(--sdpa-icon) center / contain no-repeat;",
-        "  mask: var(--sdpa-icon) center / contain no-repeat;",
-        "}",
-        "i.fa-lg { font-size: 1.25em; line-height: 0.05em; vertical-align: -0.2em; }",
-    ]
-    for style, name in sorted(used):
+def inline_icons(page: str, sets: dict) -> str:
+    """The page with each Font Awesome ``<i>`` replaced by the SVG fontawesome.js made of it."""
+
+    def svg(m: re.Match) -> str:
+        style, name, others = _icon(m[3])
+        if name not in sets.get(style, {}):
+            raise ExtensionError(f"the theme's Font Awesome has no icon {style} {name}")
         width, height, path = sets[style][name]
-        svg = f"<svg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 {width} {height}'>"
-        svg += f"<path d='{path}'/></svg>"
-        prefix = {"fas": "fa-solid", "far": "fa-regular", "fab": "fa-brands"}[style]
-        lines.append(
-            f'i.{prefix}.fa-{name}, i.{style}.fa-{name} {{ --sdpa-icon: url("data:image/svg+xml,'
-            f'{quote(svg, safe=" =/:,.-")}"); }}'
+        attributes = (m[2] + m[4]).strip()
+        classes = " ".join(["svg-inline--fa", f"fa-{name}", *others])
+        # Decorative unless titled, as fontawesome.js has it.
+        hidden = "" if "title=" in attributes else ' aria-hidden="true"'
+        return (
+            f'<svg class="{classes}"{" " + attributes if attributes else ""} data-prefix="{style}"'
+            f' data-icon="{name}" role="img" viewBox="0 0 {width} {height}"{hidden}>'
+            f'<path fill="currentColor" d="{path}"></path></svg>'
         )
-    return "\n".join(lines) + "\n"
+
+    return _I_ELEMENT.sub(svg, page)
+
+
+def fontawesome_css(script: str) -> str:
+    """The style sheet fontawesome.js adds to each page, whitespace collapsed."""
+    import json
+
+    found = _CSS.search(script)
+    if not found:
+        raise ExtensionError("Font Awesome's style sheet not found in the theme's fontawesome.js")
+    css = json.loads(f'"{found[1]}"')
+    return re.sub(r"\s+", " ", css).strip() + "\n"
 
 
 def write_icons(app, exception) -> None:
+    """Put the icons in the pages this build wrote, and Font Awesome's style sheet in _static."""
     if exception or app.builder.format != "html":
         return
     outdir = Path(app.outdir)
-    pages = [
-        p.read_text(encoding="utf-8")
-        for p in outdir.rglob("*.html")
-        if "_static" not in p.relative_to(outdir).parts
-    ]
-    used = icons_used(pages)
-    css = stylesheet(used, icon_sets(fontawesome_js().read_text(encoding="utf-8")))
+    script = fontawesome_js().read_text(encoding="utf-8")
+    sets = icon_sets(script)
+    changed = 0
+    for path in outdir.rglob("*.html"):
+        if "_static" in path.relative_to(outdir).parts:
+            continue
+        page = path.read_text(encoding="utf-8")
+        done = inline_icons(page, sets)
+        if done != page:
+            path.write_text(done, encoding="utf-8")
+            changed += 1
+    css = "/* Font Awesome Free's style sheet, from the theme's fontawesome.js (sdpa_icons). */\n"
+    css += fontawesome_css(script)
     target = outdir / "_static" / CSS_NAME
     if not target.exists() or target.read_text(encoding="utf-8") != css:
         target.write_text(css, encoding="utf-8")
-        logger.info("sdpa_icons: %d icons in %s", len(used), CSS_NAME)
+    if changed:
+        logger.info("sdpa_icons: icons drawn as inline SVG on %d pages", changed)
 
 
 def setup(app):

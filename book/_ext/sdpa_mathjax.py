@@ -35,8 +35,9 @@ MATHJAX_DIR = Path("node_modules") / "mathjax"
 MATHJAX_FONT_DIR = Path("node_modules") / "@mathjax" / "mathjax-newcm-font"
 RENDERER = Path(__file__).with_name("sdpa_maths_render.mjs")
 CSS_NAME = "sdpa-maths.css"
-# A display formula breaks into lines at this width (CSS px): the content column at 1280 px.
-DISPLAY_WIDTH = 720
+# A display formula breaks into lines at this width (CSS px): the content column at 1280 px
+# (sdpa.css); a narrower screen scrolls it in its box.
+DISPLAY_WIDTH = 687
 NODE_TIMEOUT = 120  # seconds, for every page of the book at once
 
 # Sphinx's markup (sphinx.ext.mathjax, and MyST's amsmath blocks): \(...\) in a span, \[...\] in

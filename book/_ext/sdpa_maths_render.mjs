@@ -42,19 +42,58 @@ const cache = MathJax.startup.output.fontCache;
 const UNUSED = / data-(?:latex|mml-node|c|mjx-texclass|semantic-[a-z-]+)="[^"]*"/g;
 const metrics = { em: 16, ex: 8, containerWidth: request.width };
 
-const pages = request.pages.map((formulas) => {
+// MathJax's markup, made smaller without changing what is drawn or read: in an HTML page an
+// <svg> or <math> needs no namespace, <use> takes href, the colour and the relative position
+// that MathJax repeats on every formula go once in the style sheet (see STYLE), and a <g> with
+// no attribute groups nothing.
+const SHORTER = [
+  [/ xmlns(?::xlink)?="[^"]*"| role="img"| focusable="false"| unselectable="on"/g, ""],
+  [/<g stroke="currentColor" fill="currentColor" stroke-width="0" /g, "<g "],
+  [/<mjx-container class="MathJax" jax="SVG"(?: overflow="[a-z]+")?( display="true")? style="position: relative;">/g,
+   '<mjx-container jax="SVG"$1>'],
+  [/xlink:href=/g, "href="],
+  [/><\/use>/g, "/>"],
+];
+const G_TAG = /<g>|<g [^>]*>|<\/g>|<g [^>]*><\/g>/g;
+function shorter(markup) {
+  for (const [pattern, replacement] of SHORTER) markup = markup.replace(pattern, replacement);
+  // Drop each bare <g> with its </g>, and each empty group: a stack says which </g> is whose.
+  const bare = [];
+  markup = markup.replace(G_TAG, (tag) => {
+    if (tag.endsWith("</g>") && tag !== "</g>") return "";  // <g ...></g>: draws nothing
+    if (tag === "</g>") return bare.pop() ? "" : tag;
+    bare.push(tag === "<g>");
+    return tag === "<g>" ? "" : tag;
+  });
+  // A glyph moved by a group of its own: the move is the <use>'s x and y.
+  return markup.replace(
+    /<g transform="translate\((-?[\d.]+),(-?[\d.]+)\)">(<use href="[^"]+")\/><\/g>/g,
+    (_, x, y, use) => `${use}${x === "0" ? "" : ` x="${x}"`}${y === "0" ? "" : ` y="${y}"`}/>`
+  );
+}
+const STYLE = `
+mjx-container[jax="SVG"] { position: relative; }
+mjx-container[jax="SVG"] > svg { fill: currentColor; stroke: currentColor; stroke-width: 0; }
+`;
+
+// The promise form: a formula may need a TeX package or a range of the font loaded first (the
+// plain form would throw MathJax's "retry" and leave that formula's measures half made).
+const render = (tex, display) => MathJax.tex2svgPromise(tex, { display, ...metrics });
+
+const pages = [];
+for (const formulas of request.pages) {
   cache.clearCache();
   const errors = [];
-  const html = formulas.map(([tex, display]) => {
-    const node = MathJax.tex2svg(tex, { display, ...metrics });
+  const html = [];
+  for (const [tex, display] of formulas) {
+    const node = await render(tex, display);
     const error = adaptor.tags(node, "mjx-merror")[0] || adaptor.tags(node, "merror")[0];
     if (error) errors.push(`${tex}: ${adaptor.getAttribute(error, "data-mjx-error") || adaptor.textContent(error)}`);
-    return adaptor.outerHTML(node).replace(UNUSED, "");
-  });
-  const defs = adaptor.outerHTML(cache.getCache());
-  return { html, glyphs: defs, errors };
-});
+    html.push(shorter(adaptor.outerHTML(node).replace(UNUSED, "")));
+  }
+  pages.push({ html, glyphs: adaptor.outerHTML(cache.getCache()), errors });
+}
 
 process.stdout.write(
-  JSON.stringify({ version: MathJax.version, css: adaptor.textContent(MathJax.svgStylesheet()), pages })
+  JSON.stringify({ version: MathJax.version, css: adaptor.textContent(MathJax.svgStylesheet()) + STYLE, pages })
 );

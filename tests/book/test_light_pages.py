@@ -85,7 +85,8 @@ def test_mathjax_under_node_writes_svg_with_mathml():
     assert reply["version"].startswith("4.")
     first, second = reply["pages"]
     inline, display = first["html"]
-    assert inline.startswith('<mjx-container class="MathJax" jax="SVG"')
+    assert inline.startswith('<mjx-container jax="SVG"><svg ')
+    assert 'aria-hidden="true"' in inline  # the drawing is hidden, the MathML is read
     assert "<msup><mi>x</mi><mn>2</mn></msup>" in inline  # the MathML a screen reader reads
     assert 'display="true"' in display and "<mfrac><mi>a</mi><mi>b</mi></mfrac>" in display
     # The glyphs are per page: x, 2, a and b on the first, only y on the second.
@@ -106,7 +107,8 @@ def test_mathjax_reports_tex_errors():
 def test_icons_used_reads_style_and_name():
     html = (
         '<i class="fa-solid fa-bars"></i><i class="fab fa-github fa-lg"></i>'
-        '<i class="fa-regular fa-file fa-fw"></i><i class="fas fa-list"></i><i class="x"></i>'
+        '<i class="fa-regular fa-file fa-fw"></i><span class="fas fa-list"></span><i class="x"></i>'
+        '<span class="sdpa-fa-x">text</span>'
     )
     assert sdpa_icons.icons_used([html]) == {
         ("fas", "bars"),
@@ -116,18 +118,46 @@ def test_icons_used_reads_style_and_name():
     }
 
 
-def test_icon_outlines_come_from_the_themes_font_awesome():
-    sets = sdpa_icons.icon_sets(sdpa_icons.fontawesome_js().read_text(encoding="utf-8"))
+@pytest.fixture(scope="module")
+def fontawesome() -> str:
+    return sdpa_icons.fontawesome_js().read_text(encoding="utf-8")
+
+
+def test_icon_outlines_come_from_the_themes_font_awesome(fontawesome):
+    sets = sdpa_icons.icon_sets(fontawesome)
     # Font Awesome draws its icons 512 units high; bars is 448 wide, github 512 (its docs).
     assert sets["fas"]["bars"][:2] == (448, 512)
     assert sets["fab"]["github"][:2] == (512, 512)
     assert sets["fas"]["bars"][2].startswith("M")
     assert sets["far"]["file"][2] != sets["fas"]["file"][2]  # outlined and solid differ
-    css = sdpa_icons.stylesheet({("fas", "bars"), ("fab", "github")}, sets)
-    assert "i.fa-solid.fa-bars" in css and "i.fab.fa-github" in css
-    assert "viewBox=%270 0 448 512%27" in css
+
+
+def test_icons_become_the_svg_fontawesome_js_made(fontawesome):
+    sets = sdpa_icons.icon_sets(fontawesome)
+    page = (
+        '<button><span class="fa-solid fa-bars"></span></button>'
+        '<i class="theme-switch fa-solid fa-sun fa-lg fa-fw" data-mode="light" title="Light"></i>'
+    )
+    done = sdpa_icons.inline_icons(page, sets)
+    assert "<i " not in done
+    bars, sun = done.split("</svg>")[:2]
+    # As fontawesome.js writes them (seen in the theme's pages before this change).
+    assert bars.startswith(
+        '<button><svg class="svg-inline--fa fa-bars" data-prefix="fas" data-icon="bars" '
+        'role="img" viewBox="0 0 448 512" aria-hidden="true"><path fill="currentColor" d="M0 96'
+    )
+    assert sun.startswith(
+        '</button><svg class="svg-inline--fa fa-sun fa-lg fa-fw theme-switch" data-mode="light" '
+        'title="Light" data-prefix="fas" data-icon="sun" role="img" viewBox="0 0 576 512">'
+    )  # a titled icon is not hidden from screen readers
     with pytest.raises(Exception, match="no-such-icon"):
-        sdpa_icons.stylesheet({("fas", "no-such-icon")}, sets)
+        sdpa_icons.inline_icons('<i class="fa-solid fa-no-such-icon"></i>', sets)
+
+
+def test_font_awesome_style_sheet_is_the_scripts(fontawesome):
+    css = sdpa_icons.fontawesome_css(fontawesome)
+    assert css.startswith(":root, :host {")
+    assert ".svg-inline--fa {" in css and "height: 1em;" in css and "\n" not in css[:-1]
 
 
 def test_template_filter_drops_only_font_awesome():
