@@ -31,6 +31,10 @@ STYLES = {"fa-solid": "fas", "fas": "fas", "fa-regular": "far", "far": "far",
 NOT_ICONS = {"fa-lg", "fa-fw", "fa-xs", "fa-sm", "fa-xl", "fa-2xs", "fa-2xl", "fa-spin"}
 # An empty <i> or <span> with a class "fa-...": the elements fontawesome.js replaces.
 _I_ELEMENT = re.compile(r'<(i|span)\b([^>]*?)\bclass="((?:[^"]* )?fa-[^"]*)"([^>]*)>\s*</\1>')
+_ICON_RULE = re.compile(r'(?<=\})((?:\.fa-[a-z0-9-]+,?)+)\{--fa:"[^"]*"\}')
+# The theme's style sheet, and the icons its script adds to a page (the search dialog's close).
+THEME_CSS = Path("_static") / "styles" / "pydata-sphinx-theme.css"
+SCRIPT_ICONS = {"xmark"}
 _SCRIPT = re.compile(r"\n?\s*<script[^>]*fontawesome\.js[^>]*></script>")
 # The style sheet fontawesome.js adds to a page: a string in the script, ":root, :host {...".
 _CSS = re.compile(r'="(:root, :host \{(?:[^"\\]|\\.)*)"')
@@ -127,6 +131,21 @@ def fontawesome_css(script: str) -> str:
     return re.sub(r"\s+", " ", css).strip() + "\n"
 
 
+def trim_theme_css(css: str, keep: set[str]) -> str:
+    """The theme's style sheet without Font Awesome's rules for icons no page names.
+
+    Font Awesome's web-font style sheet, bundled in the theme's, gives each of its ~2,000 icon
+    classes a rule ``.fa-name{--fa:"\\f0c9"}`` (66 kB): only an ``<i class="fa-name">`` the
+    pages hold, or one a script adds (``keep``), needs its rule.
+    """
+
+    def rule(m: re.Match) -> str:
+        names = re.findall(r"\.fa-([a-z0-9-]+)", m[1])
+        return m[0] if keep.intersection(names) else ""
+
+    return _ICON_RULE.sub(rule, css)
+
+
 def write_icons(app, exception) -> None:
     """Put the icons in the pages this build wrote, and Font Awesome's style sheet in _static."""
     if exception or app.builder.format != "html":
@@ -135,10 +154,12 @@ def write_icons(app, exception) -> None:
     script = fontawesome_js().read_text(encoding="utf-8")
     sets = icon_sets(script)
     changed = 0
+    used: set[str] = set(SCRIPT_ICONS)
     for path in outdir.rglob("*.html"):
         if "_static" in path.relative_to(outdir).parts:
             continue
         page = path.read_text(encoding="utf-8")
+        used |= {name for _, name in icons_used([page])}
         done = inline_icons(page, sets)
         if done != page:
             path.write_text(done, encoding="utf-8")
@@ -148,6 +169,12 @@ def write_icons(app, exception) -> None:
     target = outdir / "_static" / CSS_NAME
     if not target.exists() or target.read_text(encoding="utf-8") != css:
         target.write_text(css, encoding="utf-8")
+    # Sphinx copies the theme's file afresh on every build; a trimmed one shows no .fa-bars rule.
+    theme_css = outdir / THEME_CSS
+    text = theme_css.read_text(encoding="utf-8")
+    trimmed = trim_theme_css(text, used)
+    if trimmed != text:
+        theme_css.write_text(trimmed, encoding="utf-8")
     if changed:
         logger.info("sdpa_icons: icons drawn as inline SVG on %d pages", changed)
 

@@ -53,7 +53,7 @@ def test_typeset_puts_each_rendering_in_place():
     assert '<span class="math notranslate nohighlight"><A/></span>' in page
     assert '<span class="math notranslate nohighlight"><X/></span>' in page
     # The equation number stays, before the formula.
-    assert '#</a></span><F/></div>' in page
+    assert "#</a></span><F/></div>" in page
     assert "On <O/> costs, \\$5 each." in page
     assert '<body class="x"><svg id="sdpa-maths-glyphs"' in page and "<defs>G</defs></svg>" in page
     assert "\\(" not in page and "\\[" not in page
@@ -167,3 +167,14 @@ def test_template_filter_drops_only_font_awesome():
     )
     kept = sdpa_icons.without_fontawesome(markup)
     assert "fontawesome" not in kept and "bootstrap.js" in kept
+
+
+def test_theme_css_keeps_the_rules_of_icons_in_use():
+    css = (
+        '.a{color:red}.fa-bars,.fa-navicon{--fa:"\\f0c9"}.fa-sun{--fa:"\\f185"}'
+        '.fa-xmark{--fa:"\\f00d"}.b .fa-sun{width:1em}'
+    )
+    trimmed = sdpa_icons.trim_theme_css(css, {"bars", "xmark"})
+    assert trimmed == '.a{color:red}.fa-bars,.fa-navicon{--fa:"\\f0c9"}.fa-xmark{--fa:"\\f00d"}' + (
+        ".b .fa-sun{width:1em}"
+    )
