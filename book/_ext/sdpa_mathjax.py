@@ -35,9 +35,11 @@ MATHJAX_DIR = Path("node_modules") / "mathjax"
 MATHJAX_FONT_DIR = Path("node_modules") / "@mathjax" / "mathjax-newcm-font"
 RENDERER = Path(__file__).with_name("sdpa_maths_render.mjs")
 CSS_NAME = "sdpa-maths.css"
-# A display formula breaks into lines at this width (CSS px): the content column at 1280 px
-# (sdpa.css); a narrower screen scrolls it in its box.
-DISPLAY_WIDTH = 687
+# A display formula breaks into lines at this width (CSS px), measured in the theme's text, whose
+# x-height is EX_PX: at 1280 px the content column is 688 px wide, a docstring's (dd) 656 px;
+# less a margin for readers whose system font is wider. A narrower screen scrolls it in its box.
+DISPLAY_WIDTH = 640
+EX_PX = 9
 NODE_TIMEOUT = 120  # seconds, for every page of the book at once
 
 # Sphinx's markup (sphinx.ext.mathjax, and MyST's amsmath blocks): \(...\) in a span, \[...\] in
@@ -115,6 +117,7 @@ def _run_node(app, pages: list[list[tuple[str, bool]]]) -> dict:
         "mathjax": str((root / MATHJAX_DIR).resolve()),
         "font": str((root / MATHJAX_FONT_DIR).resolve()),
         "width": DISPLAY_WIDTH,
+        "ex": EX_PX,
         "pages": pages,
     }
     result = subprocess.run(

@@ -1,9 +1,10 @@
 // Typesets the book's formulas once, when the book is built, for book/_ext/sdpa_mathjax.py.
 //
 // Reads one JSON object on stdin:
-//   {mathjax, font, width, pages: [[[tex, display], ...], ...]}
+//   {mathjax, font, width, ex, pages: [[[tex, display], ...], ...]}
 // (the folders of the mathjax and @mathjax/mathjax-newcm-font npm packages, the width in CSS px
-// at which a display formula breaks into lines, and each page's formulas) and writes one on stdout:
+// at which a display formula breaks into lines, the x-height of the page's text in CSS px, and
+// each page's formulas) and writes one on stdout:
 //   {version, css, pages: [{html: [...], glyphs, errors: [...]}, ...]}
 // where html[i] is formula i as an SVG with its MathML beside it for screen readers (MathJax's
 // assistive MathML), glyphs is the page's shared <defs> of glyph outlines (a formula draws its
@@ -40,7 +41,7 @@ const cache = MathJax.startup.output.fontCache;
 // Attributes that only MathJax's in-browser explorer and menu read: dropping them halves the
 // markup (data-latex repeats the whole formula on every piece of a broken in-line formula).
 const UNUSED = / data-(?:latex|mml-node|c|mjx-texclass|semantic-[a-z-]+)="[^"]*"/g;
-const metrics = { em: 16, ex: 8, containerWidth: request.width };
+const metrics = { em: 16, ex: request.ex, containerWidth: request.width };
 
 // MathJax's markup, made smaller without changing what is drawn or read: in an HTML page an
 // <svg> or <math> needs no namespace, <use> takes href, the colour and the relative position

@@ -66,7 +66,8 @@ def _node_render(pages: list) -> dict:
     request = {
         "mathjax": str(ROOT / sdpa_mathjax.MATHJAX_DIR),
         "font": str(ROOT / sdpa_mathjax.MATHJAX_FONT_DIR),
-        "width": 720,
+        "width": 640,
+        "ex": 9,
         "pages": pages,
     }
     result = subprocess.run(
