@@ -11,8 +11,9 @@ readers read (MathJax's assistive MathML). Each page holds its glyph outlines on
 headings, which the navigation repeats on every page, cost no script either.
 
 A page Sphinx did not rewrite keeps its typeset maths (a page holding TeX is the mark of one to
-do), so a rebuild with no change starts no Node process. A TeX error fails the build, naming the
-page and the formula.
+do), so a rebuild with no change typesets only the pages Sphinx writes every time (the
+bibliography and the landing page: 0.3 s). A TeX error, an unknown macro included, fails the
+build, naming the page and the formula.
 """
 
 from __future__ import annotations
