@@ -5,10 +5,13 @@ pydata-sphinx-theme loads ``fontawesome.js`` (1.5 MB) on every page to replace e
 add its own style sheet. The book's template (``book/_templates/layout.html``) drops that script
 (with the Jinja filter ``sdpa_without_fontawesome`` registered here). Once the html build has
 written its pages, this extension does the script's work in advance: it replaces each such ``<i>``
-by the same ``<svg>`` (same classes, outline taken from the theme's own copy of Font Awesome) and
-writes Font Awesome's style sheet, taken from the same file, to ``_static/sdpa-icons.css``. The
-pages look as they did, with a few kB of icons instead of the script. An icon the theme's Font
-Awesome lacks fails the build; an icon a script adds later still shows, in the theme's web font.
+(or ``<span>``) by the same ``<svg>`` (same classes, outline taken from the theme's own copy of
+Font Awesome) and writes Font Awesome's style sheet, taken from the same file, to
+``_static/sdpa-icons.css``. The pages look as they did, with a few kB of icons instead of the
+script. An icon the theme's Font Awesome lacks fails the build. The theme's style sheet, which
+bundles Font Awesome's web-font rules, loses those of the icons no page shows
+(``trim_theme_css``); an icon the theme's script adds later (``SCRIPT_ICONS``) keeps its rule and
+shows in the web font.
 """
 
 from __future__ import annotations
