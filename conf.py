@@ -5,8 +5,10 @@ What goes beyond a stock configuration is done by the book's own extensions, in 
 * ``sdpa_cache``: the execution cache is keyed on ``src/sdpa`` (and ``src/sdpa_book``, the
   committed benchmark results, Python, NumPy and Matplotlib), so a change to the package
   re-executes every page, and a rebuild with no change executes nothing.
-* ``sdpa_mathjax``: MathJax 4 and its font, from the npm packages pinned in ``package.json``, are
-  copied into the site, so no page loads anything from another host.
+* ``sdpa_mathjax``: the maths is typeset when the book is built, by MathJax 4 under Node (the npm
+  packages pinned in ``package.json``): SVG beside MathML for screen readers, no script in the page.
+* ``sdpa_icons``: the theme's icons drawn by a small stylesheet, without Font Awesome's 1.5 MB script
+  (with ``book/_templates/layout.html``, which also keeps the search index to the search page).
 * ``sdpa_reading_time``: ``[[minutes:page]]`` on the landing page becomes that page's reading time.
 * ``sdpa_api``: the API page's sections come from each module's ``__all__``.
 * ``sdpa_citations``: each entry of the bibliography links back to the pages that cite it.
@@ -45,6 +47,7 @@ extensions = [
     # book/_ext
     "sdpa_cache",
     "sdpa_mathjax",
+    "sdpa_icons",
     "sdpa_reading_time",
     "sdpa_api",
     "sdpa_citations",
@@ -102,17 +105,17 @@ numpydoc_validation_checks = set()
 autodoc_typehints = "none"
 autodoc_member_order = "bysource"  # for a module with __all__: the order of __all__
 
-# Maths: MathJax 4 served from this site (copied by sdpa_mathjax). The configuration is a static
-# file (not mathjax_config_path, which Sphinx inlines only into pages it rewrites), loaded after
-# the extensions' inline settings, before the deferred MathJax.
-mathjax_path = "mathjax/tex-chtml.js"
+# Maths: typeset once the pages are written (sdpa_mathjax), so no page loads MathJax.
+html_math_renderer = "sdpa_svg"
 
 html_theme = "sphinx_book_theme"
 html_title = BOOK_TITLE  # the sidebar and the browser tab show the book's own title
 html_favicon = "book/_static/favicon.svg"  # also spares the browser a request for /favicon.ico
 html_static_path = ["book/_static"]
+# The theme's page without Font Awesome's script and, but on the search page, the search index.
+templates_path = ["book/_templates"]
 html_css_files = ["sdpa.css"]
-html_js_files = [("mathjax-config.js", {"priority": 510}), "search-snippets.js"]
+html_js_files = ["search-snippets.js"]
 # The pydata/book themes log a console error on a first visit without a stored mode.
 html_context = {"default_mode": "auto"}
 html_theme_options = {

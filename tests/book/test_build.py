@@ -80,7 +80,8 @@ FAILING_PAGE = FRONT_MATTER + textwrap.dedent(
 
 
 def make_project(tmp_path: Path) -> Path:
-    """A project folder with the real conf.py, static files and MathJax, and a tiny package."""
+    """A project folder with the real conf.py, static files, templates and MathJax, and a tiny
+    package."""
     if not (ROOT / "node_modules" / "mathjax").is_dir():
         reason = "MathJax is not installed: run `make node_modules` (npm ci) first"
         pytest.fail(reason) if REQUIRE else pytest.skip(reason)
@@ -89,6 +90,7 @@ def make_project(tmp_path: Path) -> Path:
     book = tmp_path / "book"
     shutil.copytree(ROOT / "book" / "_static", book / "_static")
     shutil.copytree(ROOT / "book" / "references", book / "references")
+    shutil.copytree(ROOT / "book" / "_templates", book / "_templates")
     shutil.copytree(
         ROOT / "book" / "_ext", book / "_ext", ignore=shutil.ignore_patterns("__pycache__")
     )

@@ -173,7 +173,7 @@ def notebook(tmp_path_factory) -> dict:
     shutil.copy2(ROOT / "conf.py", project / "conf.py")
     (project / "node_modules").symlink_to(ROOT / "node_modules", target_is_directory=True)
     book = project / "book"
-    for folder in ("_static", "references", "_ext"):
+    for folder in ("_static", "_templates", "references", "_ext"):
         shutil.copytree(
             ROOT / "book" / folder, book / folder, ignore=shutil.ignore_patterns("__pycache__")
         )
