@@ -18,8 +18,8 @@ REFRESH     ?=
 
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# MathJax (pinned in package.json / package-lock.json) is installed with `npm ci` and copied
-# into the site by book/_ext/sdpa_mathjax.py, so the book's maths renders with no network.
+# MathJax (pinned in package.json / package-lock.json) is installed with `npm ci`; it typesets
+# the book's maths under Node when the site is built (book/_ext/sdpa_mathjax.py).
 NODE_STAMP := node_modules/.package-lock.json
 # One doctree folder for the html and doctest builders; it also holds the execution cache
 # (doctrees/jupyter-cache/<fingerprint of src/sdpa>), so a package change re-executes the book.

@@ -3,8 +3,9 @@
 A page shows a widget of ``sdpa_book.widgets`` as HTML output (a ``div.sdpa-widget`` holding its
 Bokeh document and data). This extension copies ``bokeh.min.js`` from the installed ``bokeh``
 package into ``_static/bokeh/`` once the build has finished (unless that version is there
-already), and adds it, with ``sdpa-widgets.js`` and ``sdpa-widgets.css``, to each page whose body
-holds a widget. The script's file name carries Bokeh's version, which must match the Python
+already), and adds ``sdpa-widgets.js`` and ``sdpa-widgets.css`` to each page whose body holds a
+widget; the script fetches BokehJS when a widget comes near the screen (1.27 MB a reader who
+never scrolls to the figure does not download). The script's file name carries Bokeh's version, which must match the Python
 package's that wrote the documents; a browser caches it once for every page. No page loads
 anything from another host.
 """
@@ -30,8 +31,9 @@ def add_widget_files(app, pagename, templatename, context, doctree) -> None:
     if MARKER not in context.get("body", ""):
         return
     _, name = bokeh_js()
-    app.add_js_file(name, priority=600, defer="defer")
-    app.add_js_file("sdpa-widgets.js", priority=601, defer="defer")
+    # BokehJS is not loaded with the page: sdpa-widgets.js fetches it (named here, relative to
+    # _static) when a widget comes near the screen.
+    app.add_js_file("sdpa-widgets.js", priority=601, defer="defer", **{"data-bokeh": name})
     app.add_css_file("sdpa-widgets.css")
 
 

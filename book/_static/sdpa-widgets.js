@@ -3,9 +3,16 @@
    select. This script embeds the document with BokehJS (served from this site), connects the
    controls and their -/+ buttons, follows the theme (light or dark), and swaps the static picture
    for the live figure. Without BokehJS nothing changes: the static picture stays; with it, the
-   picture is removed (not only hidden). */
+   picture is removed (not only hidden).
+   BokehJS (1.27 MB) is fetched only when a widget comes near the screen, not with the page: a
+   reader on a phone gets the text and the static picture first, and one who never scrolls to
+   the figure never downloads it. */
 (function () {
   "use strict";
+
+  // The page's <script> tag names BokehJS relative to this file (sdpa_widgets.py).
+  const SELF = document.currentScript;
+  const NEAR = "600px 0px";  // load BokehJS when a widget is this close to the screen
 
   // The figures' colours in the dark theme, by Bokeh property: the light theme's are the ones the
   // document was written with. Data colours (cells, bars, lines) stay as they are.
@@ -126,9 +133,29 @@
     });
   }
 
+  function loadBokeh() {
+    if (window.Bokeh) return setupAll();
+    const tag = document.createElement("script");
+    tag.src = new URL(SELF.dataset.bokeh, SELF.src).href;
+    tag.addEventListener("load", setupAll);  // if it fails, the static pictures stay
+    document.head.appendChild(tag);
+  }
+
+  function start() {
+    const roots = document.querySelectorAll(".sdpa-widget");
+    if (roots.length === 0) return;
+    if (!("IntersectionObserver" in window)) return loadBokeh();
+    const observer = new IntersectionObserver(function (entries) {
+      if (!entries.some(function (e) { return e.isIntersecting; })) return;
+      observer.disconnect();
+      loadBokeh();
+    }, { rootMargin: NEAR });
+    roots.forEach(function (root) { observer.observe(root); });
+  }
+
   if (document.readyState === "loading") {
-    document.addEventListener("DOMContentLoaded", setupAll);
+    document.addEventListener("DOMContentLoaded", start);
   } else {
-    setupAll();
+    start();
   }
 })();

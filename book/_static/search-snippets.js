@@ -3,7 +3,7 @@
 //
 // Search results show a snippet of each page: Sphinx takes it from the page's main region, which
 // in this theme also holds the header's buttons ("Light", "Dark"), the page's own table of
-// contents (for print), and the raw TeX of formulas (MathJax typesets them only in a browser).
+// contents (for print), and the TeX of formulas (the search index holds it as written).
 // Keep the prose, and write each formula as plain text.
 (function () {
   const NOT_PROSE = [
