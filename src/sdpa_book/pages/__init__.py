@@ -35,7 +35,7 @@ stability
     *QK-norm and soft-capping* (``book/measured/qk-norm.md``) and *Differential attention*
     (``book/measured/differential-attention.md``): what the pages record while a model trains
     (attention logits and entropies) and Kimi K2's QK-clip as a training callback
-    (:class:`~sdpa_book.pages.stability.QKClip`).
+    (``QKClip``).
 indexer
     *Choosing the keys* (``book/modern/sparse-selection.md``): DeepSeek's lightning indexer as a
     top-k mask and its KL warm-up on the trained model, and compressed sparse attention from

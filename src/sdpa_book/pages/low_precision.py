@@ -478,7 +478,7 @@ def with_attention(model, attend):
     Returns
     -------
     sdpa.nn.DecoderLM
-        Its :meth:`forward` (without ``return_attention``) runs ``attend`` in every block.
+        Its ``forward`` (without ``return_attention``) runs ``attend`` in every block.
     """
     from sdpa.nn import DecoderLM
 
