@@ -18,8 +18,10 @@
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -136,114 +138,211 @@ def _features(problem):
     return reference, tiled
 
 
-def auto(rounds=5, dtype=np.float32, idle=0.15):
-    """Fit the cost model of ``implementation="auto"`` to wall times measured as `make bench`
-    measures them.
+def _problem(lead, T, n, d, is_causal, kv_heads, dtype=np.float32):
+    """Random inputs of one grid case, prepared as the public call prepares them."""
+    kv_lead = lead if kv_heads is None else (*lead[:-1], kv_heads)
+    q = rng.standard_normal((*lead, T, d)).astype(dtype)
+    k, v = (rng.standard_normal((*kv_lead, n, d)).astype(dtype) for _ in range(2))
+    return prepare_attention(q, k, v, None, is_causal, enable_gqa=kv_heads is not None)
 
-    Both paths run as a user calls them (all cores, BLAS's own threads for the reference path,
-    the tiled path's workers), taking turns round after round with ``idle`` seconds before
-    each call (the benchmark's pause), and each keeps its best round. The model is linear in
-    its constants: for the reference path a cost per call, per ``(T, S)`` matrix, per input
-    entry read (packed keys, and those a GQA group shares, weighted as the model weighs them),
-    per score, per score and unit of width, per masked score; for the tiled path a cost per
-    call, per work unit and per further tile (Python between NumPy's calls, which holds the
-    GIL: not shared by the workers) and per computed score, per score and unit of width and per
-    key and value entry a tile reads (inside NumPy, shared by the workers). The grid includes
-    grouped-query decoding (32 and 64 query heads over 8 key heads, T = 1 to 8). Least squares on relative errors, constants
-    kept non-negative. Wall time moves with the machine and its load: run it on an idle
-    machine, and state which.
-    """
+
+def measure_auto(rounds=5, dtype=np.float32, idle=0.15):
+    """Wall times of both paths on ``auto_grid()``, as `make bench` measures them: each path
+    as a user calls it (all cores), the two taking turns round after round with ``idle``
+    seconds before each call, each keeping its best round (microseconds)."""
     from sdpa.attention import attention_reference
-    from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times
     from sdpa.tiled import attention_tiled
 
     rows = []
     for lead, T, n, d, is_causal, kv_heads in auto_grid():
-        kv_lead = lead if kv_heads is None else (*lead[:-1], kv_heads)
-        q = rng.standard_normal((*lead, T, d)).astype(dtype)
-        k, v = (rng.standard_normal((*kv_lead, n, d)).astype(dtype) for _ in range(2))
-        gqa = kv_heads is not None
-        problem = prepare_attention(q, k, v, None, is_causal, enable_gqa=gqa)
-        paths = {
-            "reference": lambda p=problem: attention_reference(p),
-            "tiled": lambda p=problem: attention_tiled(p),
-        }
+        problem = _problem(lead, T, n, d, is_causal, kv_heads, dtype)
+        paths = {"ref": attention_reference, "tiled": attention_tiled}
         best = {name: np.inf for name in paths}
         for f in paths.values():
-            f()
+            f(problem)
         for r in range(rounds):
             for name in list(paths) if r % 2 == 0 else list(paths)[::-1]:
                 time.sleep(idle)
                 start = time.perf_counter()
-                paths[name]()
+                paths[name](problem)
                 best[name] = min(best[name], time.perf_counter() - start)
-        ref_x, til_x = _features(problem)
-        rows.append(
-            dict(
-                lead=lead if kv_heads is None else f"{lead}/{kv_heads}",
-                T=T,
-                n=n,
-                d=d,
-                causal=is_causal,
-                problem=problem,
-                ref_x=ref_x,
-                tiled_x=til_x,
-                ref=1e6 * best["reference"],
-                tiled=1e6 * best["tiled"],
-            )
-        )
+        row = dict(lead=list(lead), T=T, n=n, d=d, causal=is_causal, kv_heads=kv_heads)
+        rows.append(row | {name: 1e6 * t for name, t in best.items()})
         print(
-            f"{str(lead):9} kv={kv_heads!s:4} T={T:5} S={n:5} d={d:3} causal={is_causal!s:5}: wall reference "
-            f"{best['reference'] * 1e3:9.2f} ms, tiled {best['tiled'] * 1e3:9.2f} ms",
+            f"{str(lead):9} kv={kv_heads!s:4} T={T:5} S={n:5} d={d:3} causal={is_causal!s:5}: "
+            f"wall reference {best['ref'] * 1e3:9.2f} ms, tiled {best['tiled'] * 1e3:9.2f} ms",
             flush=True,
         )
+    return rows
 
-    def fit(key, names):
+
+def load_rows(path):
+    """Rows saved by ``auto --save``, or the ``auto`` grid of a `make bench` result (JSON)."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, list):
+        return data
+    return [
+        dict(
+            lead=case["lead"],
+            T=case["t"],
+            n=case["n"],
+            d=case["d"],
+            causal=case["causal"],
+            kv_heads=case.get("kv_heads"),
+            ref=1e6 * case["time"]["reference"],
+            tiled=1e6 * case["time"]["tiled"],
+        )
+        for case in data["auto"]
+    ]
+
+
+# The cache shares of a GQA group's further key reads (sdpa.cost_model.CACHED_READ and
+# PACKED_READ), fitted beside the linear constants by the refinement.
+SHARES = (("CACHED_READ", "within_cache"), ("CACHED_READ", "beyond_cache"))
+SHARES += tuple(("PACKED_READ", key) for key in ("first", "within_cache", "beyond_cache"))
+
+
+def _set_shares(values):
+    from types import MappingProxyType
+
+    from sdpa import cost_model
+
+    for name in ("CACHED_READ", "PACKED_READ"):
+        table = dict(getattr(cost_model, name))
+        table.update({key: float(v) for (n, key), v in zip(SHARES, values) if n == name})
+        setattr(cost_model, name, MappingProxyType(table))
+
+
+def _decision_loss(rows, names_ref, names_til, z):
+    """Mean squared log error of both estimates, plus, for each case whose paths differ by
+    more than 5 %, a smooth penalty when the model prefers the slower path, weighted by how
+    much slower it is (cases below ``MIN_TILED_SCORES`` never tile, and do not count)."""
+    from sdpa.cost_model import MIN_TILED_SCORES, estimated_times
+
+    c = np.exp(z)
+    _set_shares(c[len(names_ref) + len(names_til) :])
+    model_ref = dict(zip(names_ref, c[: len(names_ref)]))
+    model_til = dict(zip(names_til, c[len(names_ref) : len(names_ref) + len(names_til)]))
+    loss = 0.0
+    for row in rows:
+        pr, pt = estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
+        loss += 0.05 * (np.log(pr / row["ref"]) ** 2 + np.log(pt / row["tiled"]) ** 2)
+        gap = np.log(row["ref"] / row["tiled"])  # > 0: the tiled path is the faster
+        if abs(gap) > 0.05 and row["scores"] >= MIN_TILED_SCORES:
+            loss += abs(gap) * np.logaddexp(0, -8 * np.sign(gap) * np.log(pr / pt)) / 8
+    return loss / len(rows)
+
+
+def _refine(loss, z, step=0.5, rounds=200):
+    """Coordinate descent in log space: each constant times exp(+-step) while that lowers the
+    loss; the step halves when no constant moves, down to 1 %."""
+    best = loss(z)
+    for _ in range(rounds):
+        moved = False
+        for i in range(len(z)):
+            for sign in (1, -1):
+                trial = z.copy()
+                trial[i] += sign * step
+                value = loss(trial)
+                if value < best - 1e-12:
+                    z, best, moved = trial, value, True
+                    break
+        if not moved:
+            step /= 2
+            if step < 0.01:
+                break
+    return z
+
+
+def auto(rows):
+    """Fit the cost model of ``implementation="auto"`` to measured wall times ``rows``.
+
+    The model is linear in its constants: for the reference path a cost per call, per
+    ``(T, S)`` matrix, per input entry read (packed keys, and those a GQA group shares,
+    weighted by the cache shares), per score, per score and unit of width, per masked score;
+    for the tiled path a cost per call, per work unit and per further step (Python between
+    NumPy's calls, which holds the GIL: not shared by the workers) and per computed score, per
+    score and unit of width and per key and value entry a tile reads (inside NumPy, shared by
+    the workers). First a least-squares fit on relative errors, constants kept non-negative;
+    then a refinement of the constants and of the cache shares that also penalises each case
+    where the model would choose the slower path (`make bench` judges the choices). Wall time
+    moves with the machine and its load: measure on an idle machine, and state which.
+    """
+    from sdpa import cost_model
+    from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times
+
+    for row in rows:
+        row["problem"] = _problem(
+            tuple(row["lead"]), row["T"], row["n"], row["d"], row["causal"], row["kv_heads"]
+        )
+        row["scores"] = int(np.prod(row["lead"])) * row["T"] * row["n"]
+        row["ref_x"], row["tiled_x"] = _features(row["problem"])
+
+    def fit(key):
         A = np.array([r[key + "_x"] for r in rows], dtype=float)
         b = np.array([r[key] for r in rows])
-        x = _nnls(A / b[:, None], np.ones(len(rows)))
-        spread = A @ x / b
-        low, mid, high = np.percentile(spread, [10, 50, 90])
-        print(f"{key}: model / measured: median {mid:.2f}, 10 % to 90 %: {low:.2f} to {high:.2f}")
-        return dict(zip(names, (float(f"{c:.3g}") for c in x)))
+        return _nnls(A / b[:, None], np.ones(len(rows)))
 
-    fitted_ref = fit("ref", list(REFERENCE_COST))
-    fitted_til = fit("tiled", list(TILED_COST))
+    names_ref, names_til = list(REFERENCE_COST), list(TILED_COST)
+    linear = np.concatenate([fit("ref"), fit("tiled")])
+    shares = [getattr(cost_model, name)[key] for name, key in SHARES]
+    current = {name: getattr(cost_model, name) for name in ("CACHED_READ", "PACKED_READ")}
+    z = np.log(np.concatenate([np.maximum(linear, 1e-9), shares]))
+    z = _refine(lambda z: _decision_loss(rows, names_ref, names_til, z), z)
+    c = np.exp(z)
+    fitted_ref = {k: float(f"{v:.3g}") for k, v in zip(names_ref, c)}
+    fitted_til = {k: float(f"{v:.3g}") for k, v in zip(names_til, c[len(names_ref) :])}
+    fitted_shares = [float(f"{v:.3g}") for v in c[len(names_ref) + len(names_til) :]]
     print("REFERENCE_COST =", fitted_ref)
     print("TILED_COST =", fitted_til)
+    print("shares =", dict(zip((f"{n}[{k!r}]" for n, k in SHARES), fitted_shares)))
 
-    def picks(model_ref, model_til):
-        times = (
-            estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
-            for row in rows
-        )
-        return ["tiled" if t < r else "reference" for r, t in times]
-
-    worst = {}
-    for label, model in (
-        ("fitted", (fitted_ref, fitted_til)),
-        ("current", (REFERENCE_COST, TILED_COST)),
-    ):
-        chosen = picks(*model)
-        ratios = [
-            row[{"reference": "ref", "tiled": "tiled"}[c]] / min(row["ref"], row["tiled"])
-            for row, c in zip(rows, chosen)
-        ]
-        worst[label] = max(ratios)
-        for row, c, ratio in zip(rows, chosen, ratios):
+    def report(label, model_ref, model_til):
+        worst = 1.0
+        for row in rows:
+            r, t = estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
+            tile = t < r and row["scores"] >= cost_model.MIN_TILED_SCORES
+            ratio = row["tiled" if tile else "ref"] / min(row["ref"], row["tiled"])
+            worst = max(worst, ratio)
             if ratio > 1.1:
                 print(
-                    f"  {label} model: {row['lead']} T={row['T']} S={row['n']} "
-                    f"d={row['d']} causal={row['causal']}: takes {c}, {ratio:.2f} x the faster"
+                    f"  {label} model: {row['lead']}/{row['kv_heads']} T={row['T']} S={row['n']}"
+                    f" d={row['d']} causal={row['causal']}: takes "
+                    f"{'tiled' if tile else 'reference'}, {ratio:.2f} x the faster"
                 )
-    print("worst chosen/faster:", {k: round(v, 2) for k, v in worst.items()})
+        print(f"{label} model: worst chosen/faster {worst:.2f}")
+
+    report("fitted", fitted_ref, fitted_til)
+    for name, table in current.items():
+        setattr(cost_model, name, table)
+    report("current", REFERENCE_COST, TILED_COST)
 
 
-if __name__ == "__main__":
-    what = sys.argv[1:] or ["tiles", "threshold", "auto"]
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", nargs="*", choices=["tiles", "threshold", "auto"])
+    parser.add_argument("--save", type=Path, help="auto: write the measured rows (JSON) here")
+    parser.add_argument(
+        "--load",
+        type=Path,
+        nargs="+",
+        help="auto: fit to these rows instead of measuring (files of --save, or `make bench`'s "
+        "JSON results, whose auto grid they use)",
+    )
+    args = parser.parse_args(argv)
+    what = args.what or ["tiles", "threshold", "auto"]
     if "tiles" in what:
         tiles()
     if "threshold" in what:
         threshold()
     if "auto" in what:
-        auto()
+        rows = [row for path in args.load for row in load_rows(path)] if args.load else None
+        if rows is None:
+            rows = measure_auto()
+            if args.save:
+                args.save.write_text(json.dumps(rows, indent=1))
+        auto(rows)
+
+
+if __name__ == "__main__":
+    main()

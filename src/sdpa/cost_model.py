@@ -126,7 +126,7 @@ TILED_COST = MappingProxyType(
 
 def tiling_geometry(
     problem: AttentionProblem, block_q: int | None = None, block_k: int | None = None
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int, int]:
     """The work the tiled path would do for ``problem``, from the shapes alone.
 
     Parameters
@@ -142,8 +142,11 @@ def tiling_geometry(
         Independent work units: one block of query rows of one head, with the heads that
         share keys folded in.
     tiles : int
-        Tiles computed: those the causal/window band skips are not counted, those a boolean
-        mask turns out to disallow are.
+        Tiles computed, each head's counted: those the causal/window band skips are not
+        counted, those a boolean mask turns out to disallow are.
+    steps : int
+        Rounds of NumPy calls that compute them: a unit of several heads computes a tile of
+        each in one step.
     scores : int
         Entries of those tiles.
     num_threads : int
@@ -155,8 +158,8 @@ def tiling_geometry(
     >>> from sdpa.cost_model import tiling_geometry
     >>> from sdpa.problem import prepare_attention
     >>> x = np.ones((1000, 8))  # one head, T = S = 1000
-    >>> tiling_geometry(prepare_attention(x, x, x), block_q=250, block_k=500)[:3]
-    (4, 8, 1000000)
+    >>> tiling_geometry(prepare_attention(x, x, x), block_q=250, block_k=500)[:4]
+    (4, 8, 8, 1000000)
     """
     T, S = problem.T, problem.S
     F, bq, bk = tile_plan_sizes(problem, block_q, block_k)
@@ -168,11 +171,13 @@ def tiling_geometry(
     stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
     stop = np.maximum(start, stop)
     n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
-    units = head_groups(problem, F, bq) * t0.size  # several heads to a unit under a band
+    groups = head_groups(problem, F, bq)  # units per block of rows: several heads to a unit
+    units = groups * t0.size
     tiles = outer * int(n_tiles.sum())
+    steps = groups * int(n_tiles.sum())
     scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
     num_threads = min(default_num_threads(), max(units, 1))
-    return units, tiles, scores, num_threads
+    return units, tiles, steps, scores, num_threads
 
 
 def estimated_times(
@@ -233,12 +238,13 @@ def estimated_times(
         + n_matrices * (r["matrix"] + r["io"] * (T * width + _key_reads(problem)))
         + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
     )
-    units, tiles, scores, num_threads = tiling_geometry(problem)
+    units, tiles, steps, scores, num_threads = tiling_geometry(problem)
     c = TILED_COST if tiled_cost is None else tiled_cost
     # Python between NumPy's calls holds the GIL: the workers take turns at it (per unit, per
-    # tile), while the work inside NumPy's loops and products (per score, per key entry a tile
-    # reads) runs in parallel.
-    overhead = c["unit"] * units + c["tile"] * max(0, tiles - units)
+    # step: a unit of several heads computes a tile of each in one round of calls), while the
+    # work inside NumPy's loops and products (per score, per key entry a tile reads) runs in
+    # parallel.
+    overhead = c["unit"] * units + c["tile"] * max(0, steps - units)
     key_reads = tiles * tile_plan_sizes(problem)[2] * width  # a partial last tile as a whole
     work = scores * (c["score"] + c["score_width"] * width) + c["io"] * key_reads
     # One thread starts no workers (a single unit, as with one key head): its call costs what

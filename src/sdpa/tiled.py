@@ -112,6 +112,9 @@ class TileStats(Counts):
         keys folded in (under a causal mask or a window, of several heads).
     computed : int
         Tiles whose scores were computed, counted for each head.
+    steps : int
+        Rounds of NumPy calls that computed them: a unit of several heads computes one tile
+        of each in one step (``computed`` counts each head's).
     rescaled : int
         Computed tiles that moved the shift ``m`` (with a mask or a bias, each unit's first
         tile, at least).
@@ -130,11 +133,12 @@ class TileStats(Counts):
     --------
     >>> from sdpa.tiled import TileStats
     >>> TileStats()
-    TileStats(units=0, computed=0, rescaled=0, skipped_band=0, skipped_mask=0, redone=0, retried=0)
+    TileStats(units=0, computed=0, steps=0, rescaled=0, skipped_band=0, skipped_mask=0, redone=0, retried=0)
     """
 
     units: int = 0
     computed: int = 0
+    steps: int = 0
     rescaled: int = 0
     skipped_band: int = 0
     skipped_mask: int = 0
@@ -531,6 +535,7 @@ class _Worker:
                 stats.skipped_mask += unit.n  # the tile of each of the unit's heads
                 continue
             stats.computed += unit.n
+            stats.steps += 1
             lazy = softmax.all_started and not plan.may_overflow
             if not (lazy and unit.lazy_step(s0, s1, disallowed)):
                 stats.retried += lazy * unit.n

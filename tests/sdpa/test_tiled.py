@@ -454,6 +454,7 @@ def test_auto_tiles_one_query_row_over_one_long_key_head(rng, spy):
         ((3, 500, 8), None, dict(window=(100, 0), causal_alignment="bottom_right")),
         ((2, 4, 90, 8), None, dict(enable_gqa=True)),
         ((5, 40, 8), (5, 40, 40), {}),
+        ((256, 40, 8), None, dict(is_causal=True)),  # 16 heads to a unit, a tile each a step
     ],
 )
 def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, kw):
@@ -466,10 +467,11 @@ def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, k
     mask = None if mask_shape is None else np.ones(mask_shape, dtype=bool)
     is_causal = kw.pop("is_causal", False)
     problem = prepare_attention(q, k, k, mask, is_causal, **kw)
-    units, tiles, scores, num_threads = tiling_geometry(problem)
+    units, tiles, steps, scores, num_threads = tiling_geometry(problem)
     stats = TileStats()
     attention_tiled(problem, stats=stats)
     assert tiles == stats.computed
+    assert steps == stats.steps
     assert units == stats.units
     assert num_threads == min(default_num_threads(), units)
     # scores: the entries of the computed tiles, trimmed to the band's keys (independent sum)
@@ -478,6 +480,21 @@ def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, k
         band = problem.band_mask()
     heads = int(np.prod(problem.batch_shape))
     assert scores >= heads * int(band.sum())
+
+
+def test_tiling_geometry_counts_the_steps_of_a_folded_decoding_call(rng):
+    # 32 query heads over 8 key heads, 2 queries against 2048 keys: one unit holds every head,
+    # and computes the 8 key heads' tiles of each key block in one step.
+    from sdpa.cost_model import tiling_geometry
+
+    q = normal(rng, (1, 32, 2, 16))
+    k = normal(rng, (1, 8, 2048, 16))
+    problem = prepare_attention(q, k, k, None, False, enable_gqa=True)
+    units, tiles, steps, _, _ = tiling_geometry(problem)
+    stats = TileStats()
+    attention_tiled(problem, stats=stats)
+    assert (units, tiles, steps) == (stats.units, stats.computed, stats.steps)
+    assert stats.computed == 8 * stats.steps  # 2048 keys in tiles of BLOCK_K, 8 key heads each
 
 
 def test_implementation_errors(rng):
