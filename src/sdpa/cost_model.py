@@ -54,22 +54,27 @@ MIN_TILED_SCORES = 1 << 17
 # products (per score) runs in parallel. A model fitted to single-thread CPU times, spread over
 # the cores, put the tiled path's fixed costs at a quarter of what a call after a pause pays
 # (its threads start on cold cores). So the constants are fitted to wall times, by
-# `benchmarks/tune.py auto`: both paths as a user calls them, interleaved, over 128 shapes
+# `benchmarks/tune.py auto`: both paths as a user calls them, interleaved, over 160 shapes
 # (many small heads, few large ones, batched heads, decoding with T from 1 to 64 and S to
-# 16384), least squares on relative errors. Measured on an Intel Xeon (Sapphire Rapids, 2
-# cores, AVX-512, OpenBLAS): the model is within 0.71 to 1.22 of the measured time for 80 % of
-# the shapes, and the path it picks was at most 1.14 times the faster one's time. Another
-# machine moves the crossing; `make bench` checks it there.
+# 16384, grouped-query decoding with 32 and 64 query heads over 8), with the auto grid of a
+# `make bench` run beside them: least squares on relative errors, then a refinement of the
+# constants and of the cache shares below that also penalises every shape where the model
+# would take the slower path, by how much slower. Measured on an Intel Xeon (Sapphire Rapids,
+# 2 cores, AVX-512, OpenBLAS), 2026-12-07: the path the model picks was within 1.10 of the
+# faster one on 218 of the 220 rows, and 1.12 and 1.15 on the other two (GQA decoding at
+# S = 16384, whose reference path took 10 ms in one run and 22 in another, and 8 heads of 64
+# queries over 512 keys, 2.35 against 2.71 ms). Another machine moves the crossing;
+# `make bench` checks it there.
 #: The reference path's costs, in microseconds: per call, per ``(T, S)`` matrix, per input
 #: entry, per score, per score and unit of ``Dk + Dv``, per masked score.
 REFERENCE_COST = MappingProxyType(
     dict(
-        call=674.0,  # validation, dispatch, BLAS's threads waking
-        matrix=0.401,  # per (T, S) matrix: the batched products' loop
-        io=0.000235,  # per entry read per matrix, (T + S) (Dk + Dv) (see CACHED_READ)
-        score=0.00488,  # per score: the softmax's passes
-        score_width=0.00000937,  # per score and unit of Dk + Dv: the two products
-        masked=0.00145,  # per score, with a mask or a band: one more pass
+        call=953.0,  # validation, dispatch, BLAS's threads waking
+        matrix=0.568,  # per (T, S) matrix: the batched products' loop
+        io=0.000272,  # per entry read per matrix, (T + S) (Dk + Dv) (see CACHED_READ)
+        score=0.00489,  # per score: the softmax's passes
+        score_width=0.00000632,  # per score and unit of Dk + Dv: the two products
+        masked=0.00128,  # per score, with a mask or a band: one more pass
     )
 )
 # A key head read again by the next query heads of its group (one query row each, GQA
@@ -81,10 +86,12 @@ REFERENCE_COST = MappingProxyType(
 # 0.17 within the L2, 0.35 to 0.56 beyond. A single share of 1/4 (the earlier rule) kept the
 # reference path for 64 query heads over 8 at S = 16384, 1.13 to 1.18 times slower than the
 # tiled path in three runs of five; 0.45 tiles it, and still keeps 32 over 8 there (15.4
-# against 24.2 ms) and 64 over 8 at S = 2048 and 4096 (1.3 to 1.8 times as fast).
+# against 24.2 ms) and 64 over 8 at S = 2048 and 4096 (1.3 to 1.8 times as fast). These CPU
+# times gave the shares their form; their values are now fitted with the wall-time constants
+# (`benchmarks/tune.py auto`, which refines both together).
 #: What a key head re-read from the cache costs, as a share of a first read (see ``io``),
 #: while one key head's keys and values fit in ``CACHE_BYTES``, and beyond.
-CACHED_READ = MappingProxyType(dict(within_cache=0.15, beyond_cache=0.45))
+CACHED_READ = MappingProxyType(dict(within_cache=0.0896, beyond_cache=0.367))
 
 # With T > 1 query rows the products are matrix products, and BLAS packs its operands (reads
 # them and writes a copy) for each: a key entry costs more than a streamed read, and the next
@@ -96,11 +103,11 @@ CACHED_READ = MappingProxyType(dict(within_cache=0.15, beyond_cache=0.45))
 # 2 MiB L2), 2.7 to 2.8 at S = 8192 and 16384; a further packed read 0.73 to 0.83 within L2,
 # 1.6 to 1.8 beyond (a further streamed one, T = 1: CACHED_READ). At S = 2048, T = 2: 4.97 ms
 # over 32 key heads, 3.20 over 8, 2.68 over 1 (T = 1: 2.51, 1.28, 0.76); at S = 16384: 48.3,
-# 39.6, 32.9.
+# 39.6, 32.9. The values below are fitted with the wall-time constants (`tune.py auto`).
 #: What a key entry packed for a matrix product (T > 1) costs, as a multiple of a streamed
 #: first read (see ``io``): the group's first head, then each further head while one key
 #: head's keys and values fit in ``CACHE_BYTES``, and beyond.
-PACKED_READ = MappingProxyType(dict(first=2.3, within_cache=0.75, beyond_cache=1.7))
+PACKED_READ = MappingProxyType(dict(first=1.51, within_cache=0.837, beyond_cache=1.08))
 #: The cache that holds a key head for the next heads of its group (L2 of one core).
 CACHE_BYTES = 2 << 20
 
@@ -109,17 +116,17 @@ CACHE_BYTES = 2 << 20
 # heads, T = 1 (4 rows per tile), S = 4096 and 16384: 42 to 46 us per tile of 512 keys at
 # Dk = Dv = 64, 15 to 19 us at 16, that is 4.7e-4 us per entry of Dk + Dv read, as the
 # reference path's packed read (PACKED_READ); at T = 128 a tile costs 690 us, the products.
-#: The tiled path's costs, in microseconds: per call, per work unit, per further tile, per
+#: The tiled path's costs, in microseconds: per call, per work unit, per further step, per
 #: computed score, per computed score and unit of ``Dk + Dv``, per key and value entry a tile
 #: reads (the last three shared by the worker threads).
 TILED_COST = MappingProxyType(
     dict(
-        call=2060.0,  # validation, the plan, starting the worker threads on cold cores
-        unit=66.8,  # per work unit: its first tile and its bookkeeping (holds the GIL)
-        tile=44.6,  # per further tile: the NumPy calls' dispatch (holds the GIL)
-        score=0.00114,  # per computed score: exp and the row sums
-        score_width=0.0000186,  # per computed score and unit of Dk + Dv: the products
-        io=0.00047,  # per entry of the keys and values a tile reads: packing them
+        call=2860.0,  # validation, the plan, starting the worker threads on cold cores
+        unit=83.6,  # per work unit: its first tile and its bookkeeping (holds the GIL)
+        tile=27.0,  # per further step: the NumPy calls' dispatch (holds the GIL)
+        score=0.00103,  # per computed score: exp and the row sums
+        score_width=0.000021,  # per computed score and unit of Dk + Dv: the products
+        io=0.000673,  # per entry of the keys and values a tile reads: packing them
     )
 )
 
