@@ -721,7 +721,7 @@ def test_bokehjs_comes_when_a_widget_nears_the_screen(browser, server):
         try:
             tab = context.new_page()
             fetched = []
-            tab.on("request", lambda r: "/bokeh/" in r.url and fetched.append(r.url))
+            tab.on("request", lambda r, seen=fetched: "/bokeh/" in r.url and seen.append(r.url))
             tab.goto(f"{server}/{page}", wait_until="networkidle", timeout=TIMEOUT_MS)
             top = tab.locator(".sdpa-widget").first.evaluate("w => w.getBoundingClientRect().top")
             if top > MODES["phone"]["viewport"]["height"] + 700:  # far below the first screen
