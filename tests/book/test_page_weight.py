@@ -17,30 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import pytest
 from site_server import serve
+from test_site_browser import CHROMIUM, CHROMIUM_ARGS, REQUIRE, SITE
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[2]
-SITE = Path(os.environ.get("SDPA_SITE_DIR", ROOT / "_build" / "html"))
 REPORT = SITE.parent / "page-weight.json"
-CHROMIUM = os.environ.get("SDPA_CHROMIUM", "/usr/bin/chromium")
-REQUIRE = os.environ.get("SDPA_REQUIRE_REFERENCES") == "1"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-]
 BUDGET = 1_500_000  # bytes: 1.5 MB
 WIDGET_BUDGET = 2_000_000  # a page with an interactive figure (sdpa_book.widgets)
 WIDGET_MARKER = 'class="sdpa-widget"'  # what sdpa_widgets looks for in a page's body

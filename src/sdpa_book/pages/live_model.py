@@ -57,6 +57,7 @@ SUPPORTED = dict(
     attn_softcap=None,
     sink=False,
     output_gate=False,
+    differential=False,
 )
 LAYER_NORM_EPS = 1e-5  # sdpa.nn.layer_norm's default, which DecoderLM uses
 ROPE_BASE = 10000.0  # sdpa.apply_rotary_embedding's default (halves layout)

@@ -57,6 +57,8 @@ def test_export_refuses_what_the_script_does_not_implement():
         live_model.export_model(small_model(qk_norm=True), VOCAB)
     with pytest.raises(ValueError, match="positional"):
         live_model.export_model(small_model(positional="learned"), VOCAB)
+    with pytest.raises(ValueError, match="differential"):
+        live_model.export_model(small_model(differential=True), VOCAB)
     with pytest.raises(ValueError, match="n_kv_heads"):
         live_model.export_model(small_model(n_kv_heads=1), VOCAB)
     with pytest.raises(ValueError, match="36 words; got 35"):
