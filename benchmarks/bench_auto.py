@@ -7,6 +7,7 @@ within 10 % of the faster of the two on every case.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -91,14 +92,26 @@ def auto_cases(quick: bool) -> list[dict]:
     return cases
 
 
+#: Most interleaved rounds of one case (its fastest calls, of a few milliseconds) ...
+MAX_ROUNDS = 101
+#: ... and about the most seconds of calls it takes (a slow path's 1.3 s calls: few rounds).
+CASE_SECONDS = 10.0
+#: Pause between calls, s: torch takes no part here (its threads are what ``--idle`` lets
+#: settle), and 0.15 s between a hundred rounds' calls would stretch the section to an hour.
+AUTO_IDLE = 0.01
+
+
 def run_auto_case(case, idle, rounds=7) -> dict:
     """Time the three implementations interleaved; which path auto takes; auto / faster.
 
-    Times are the best of the rounds, the estimate least disturbed by other processes on a
-    shared machine (the question is which path is faster, not how fast either is on average).
-    At least ``rounds``; a case whose faster path takes under 50 ms gets up to three times as
-    many (a millisecond call's best of 7 still moved by 10 % between runs, auto against the
-    same path it takes).
+    The ratios compare medians over the rounds. The best round of each path (kept as
+    ``time``, which ``benchmarks/tune.py`` fits) is an extreme: on the benchmark machine
+    auto's best of 101 rounds and the best of the path it takes, the same code but for a
+    decision of under 0.1 ms, were up to 1.2 apart on a 3 ms call, from one run to the next;
+    their medians were within a few percent. At least ``rounds`` rounds; a faster case gets as
+    many as fill about half a second of the faster path, up to ``MAX_ROUNDS`` and
+    ``CASE_SECONDS`` of calls. The garbage collector is off while timing, as in
+    :mod:`timeit`.
     """
     from sdpa.cost_model import worth_tiling
     from sdpa.problem import prepare_attention
@@ -125,21 +138,31 @@ def run_auto_case(case, idle, rounds=7) -> dict:
         f()
         warm[name] = time.perf_counter() - start
     fastest_call = min(warm["reference"], warm["tiled"])
-    rounds = max(rounds, min(3 * rounds, math.ceil(0.05 / max(fastest_call, 1e-6)) * rounds))
-    for i in range(rounds):
-        for name, f in in_turn(impls, i):
-            time.sleep(idle)
-            start = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - start)
+    wanted = math.ceil(0.5 / max(fastest_call, 1e-6))  # half a second of the faster path
+    affordable = math.ceil(CASE_SECONDS / max(sum(warm.values()), 1e-6))
+    rounds = max(rounds, min(MAX_ROUNDS, wanted, affordable))
+    idle = min(idle, AUTO_IDLE)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(rounds):
+            for name, f in in_turn(impls, i):
+                time.sleep(idle)
+                start = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        if collecting:
+            gc.enable()
     result = dict(case, lead=list(case["lead"]))
     result["time"] = {name: min(t) for name, t in times.items()}
     result["median"] = {name: statistics.median(t) for name, t in times.items()}
     chosen = worth_tiling(prepare_attention(q, k, v, None, case["causal"], enable_gqa=gqa))
     result["auto takes"] = "tiled" if chosen else "reference"
-    fastest = min(result["time"]["reference"], result["time"]["tiled"])
-    result["auto/faster"] = result["time"]["auto"] / fastest
-    result["chosen/faster"] = result["time"][result["auto takes"]] / fastest
+    median = result["median"]
+    fastest = min(median["reference"], median["tiled"])
+    result["auto/faster"] = median["auto"] / fastest
+    result["chosen/faster"] = median[result["auto takes"]] / fastest
     return result
 
 
@@ -160,15 +183,15 @@ def auto_lines(auto) -> list[str]:
         '## `implementation="auto"` against the faster path',
         "",
         "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d) (GQA: H over Hkv "
-        "heads, enable_gqa); best of 7 to 21 "
-        'interleaved rounds (more for quick cases). "chosen/faster" compares the path auto takes with the faster one '
-        'in the same rounds; "auto/faster" times auto itself (the same path, plus the decision).',
+        "heads, enable_gqa); medians of 7 to 101 interleaved rounds (more for quicker cases). "
+        '"chosen/faster" compares the path auto takes with the faster one in the same rounds; '
+        '"auto/faster" times auto itself (the same path, plus the decision).',
         "",
         "| case | lead | T | S | d | causal | reference | tiled | auto | auto takes | chosen/faster | auto/faster |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in auto:
-        t = r["time"]
+        t = r["median"]
         lines.append(
             f"| {r['kind']} | {lead_text(r)} | {r.get('t', r['n'])} | {r['n']} | {r['d']} | "
             f"{'yes' if r['causal'] else 'no'} | {fmt_time(t['reference'])} | "
@@ -185,7 +208,7 @@ def run(args, torch, baseline, report) -> None:
     for case in auto_cases(args.quick):
         r = run_auto_case(case, args.idle)
         report["auto"].append(r)
-        t = r["time"]
+        t = r["median"]
         print(
             f"auto grid {case['kind']:16} {lead_text(case):15} T={case['t']:5} S={case['n']:5} "
             f"d={case['d']:3} causal={case['causal']!s:5}: reference "

@@ -16,6 +16,8 @@ display
 timing
     :func:`~sdpa_book.timing.best_time`, :func:`~sdpa_book.timing.loglog_slope`,
     :func:`~sdpa_book.timing.l2_cache`.
+checks
+    :func:`~sdpa_book.checks.check_count`, the integer check the helpers share.
 figures
     The figure style (applied on import: fonts, colours, SVG in notebooks) and colour roles.
 diagrams

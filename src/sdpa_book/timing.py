@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import check_count
+
 __all__ = ["best_time", "l2_cache", "loglog_slope"]
 
 # Where Linux describes the caches of the first processor.
@@ -39,12 +41,9 @@ def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable; got {type(fn).__name__}")
-    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)):
-        raise TypeError(f"repeats must be an int; got {repeats!r}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1; got {repeats}")
+    repeats = check_count(repeats, "repeats")
     times = []
-    for _ in range(int(repeats)):
+    for _ in range(repeats):
         start = time.process_time()
         fn()
         times.append(time.process_time() - start)

@@ -29,12 +29,11 @@ sequence's own attention), ``E`` model width, ``H_I`` and ``D_I`` the indexer's 
 
 from __future__ import annotations
 
-from numbers import Integral
-
 import numpy as np
 
 import sdpa
 from sdpa.nn import AdamW, gelu, layer_norm, linear
+from sdpa_book.checks import check_count
 
 __all__ = [
     "compress",
@@ -48,14 +47,6 @@ __all__ = [
     "top_k_mask_mod",
     "train_indexer",
 ]
-
-
-def _count(value, name: str, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int; got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}; got {value}")
-    return int(value)
 
 
 def _causal(T: int, S: int) -> np.ndarray:
@@ -141,7 +132,7 @@ def top_k_keys(scores: np.ndarray, k: int, *, visible: np.ndarray | None = None)
            [False,  True, False],
            [False,  True, False]])
     """
-    k = _count(k, "k")
+    k = check_count(k, "k")
     scores = np.asarray(scores, dtype=float)
     T, S = scores.shape[-2:]
     if visible is None:
@@ -223,7 +214,7 @@ def init_indexer(rng: np.random.Generator, E: int, heads: int, dim: int) -> dict
     """
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a np.random.Generator; got {type(rng).__name__}")
-    E, heads, dim = (_count(x, name) for x, name in ((E, "E"), (heads, "heads"), (dim, "dim")))
+    E, heads, dim = check_count(E, "E"), check_count(heads, "heads"), check_count(dim, "dim")
     shapes = {"w_q": (E, heads * dim), "w_k": (E, dim), "w_w": (E, heads)}
     return {name: rng.standard_normal(shape) / np.sqrt(E) for name, shape in shapes.items()}
 
@@ -352,7 +343,7 @@ def train_indexer(params: dict, h: np.ndarray, target: np.ndarray, *, steps: int
     losses : (steps,) np.ndarray
         The loss before each step.
     """
-    steps = _count(steps, "steps")
+    steps = check_count(steps, "steps")
     trained = {name: np.array(a, dtype=float) for name, a in params.items()}
     opt = AdamW(trained, lr=lr, weight_decay=0.0)
     losses = np.empty(steps)
@@ -459,7 +450,7 @@ def compress(x: np.ndarray, m: int, bias: np.ndarray | None = None) -> np.ndarra
     array([[1., 2.],
            [5., 6.]])
     """
-    m = _count(m, "m")
+    m = check_count(m, "m")
     x = np.asarray(x, dtype=float)
     weights = np.full(m, 1 / m) if bias is None else sdpa.softmax(np.asarray(bias, float))
     if weights.shape != (m,):
@@ -495,8 +486,8 @@ def compressed_sparse_attention(q, k, v, scores, *, m: int, top_k: int, window: 
     chosen : (B, n, n // m) np.ndarray of bool
         The entries each query kept.
     """
-    m, top_k = _count(m, "m"), _count(top_k, "top_k")
-    window = _count(window, "window")
+    m, top_k = check_count(m, "m"), check_count(top_k, "top_k")
+    window = check_count(window, "window")
     q, k, v = (np.asarray(a, dtype=float) for a in (q, k, v))
     B, _, n, _ = q.shape
     if n < m:

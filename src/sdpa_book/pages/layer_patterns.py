@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdpa_book.checks import check_count
+
 __all__ = [
     "MODELS",
     "LayerKind",
@@ -41,15 +43,6 @@ __all__ = [
     "mla_attention_flops",
     "mla_crossover",
 ]
-
-
-def _count(name: str, value, *, minimum: int = 0) -> int:
-    """``value`` as an int of at least ``minimum``, or a TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}; got {value}")
-    return int(value)
 
 
 def kv_bytes_per_token(
@@ -89,11 +82,11 @@ def kv_bytes_per_token(
     >>> kv_bytes_per_token(35, 2, 256), kv_bytes_per_token(35, 2, 256, shared_layers=15)
     (71680, 40960)
     """
-    layers = _count("layers", layers, minimum=1)
-    kv_heads = _count("kv_heads", kv_heads, minimum=1)
-    head_dim = _count("head_dim", head_dim, minimum=1)
-    dtype_bytes = _count("dtype_bytes", dtype_bytes, minimum=1)
-    shared_layers = _count("shared_layers", shared_layers)
+    layers = check_count(layers, "layers", minimum=1)
+    kv_heads = check_count(kv_heads, "kv_heads", minimum=1)
+    head_dim = check_count(head_dim, "head_dim", minimum=1)
+    dtype_bytes = check_count(dtype_bytes, "dtype_bytes", minimum=1)
+    shared_layers = check_count(shared_layers, "shared_layers", minimum=0)
     if shared_layers >= layers:
         raise ValueError(
             f"shared_layers must be below layers ({layers}): some layer must cache the keys "
@@ -119,6 +112,12 @@ class LayerKind:
         Tokens a layer holds at most (a sliding window or an attention chunk); ``None``: all.
     state : int
         Numbers a layer holds whatever the length (a linear layer's state).
+    compress : int, default 1
+        Tokens pooled into one cached entry (DeepSeek-V4's compressed layers: 4 or 128);
+        ``per_token`` then counts the numbers of one entry. Only whole groups are cached.
+    beside : bool, default False
+        The pool is kept by layers another kind of the model already counts (DeepSeek-V4's
+        128-token window beside each layer's compressed entries).
     """
 
     name: str
@@ -126,22 +125,29 @@ class LayerKind:
     per_token: int
     window: int | None = None
     state: int = 0
+    compress: int = 1
+    beside: bool = False
 
     def __post_init__(self):
-        _count("layers", self.layers, minimum=1)
-        _count("per_token", self.per_token)
-        _count("state", self.state)
+        check_count(self.layers, "layers", minimum=1)
+        check_count(self.per_token, "per_token", minimum=0)
+        check_count(self.state, "state", minimum=0)
+        check_count(self.compress, "compress", minimum=1)
         if self.window is not None:
-            _count("window", self.window, minimum=1)
+            check_count(self.window, "window", minimum=1)
 
     def tokens_held(self, T: int) -> int:
         """Tokens one layer holds after ``T`` tokens: ``min(T, window)`` or ``T``."""
-        T = _count("T", T)
+        T = check_count(T, "T", minimum=0)
         return T if self.window is None else min(T, self.window)
+
+    def entries(self, T: int) -> int:
+        """Entries one layer caches after ``T`` tokens: its tokens, or their whole groups."""
+        return self.tokens_held(T) // self.compress
 
     def numbers(self, T: int) -> int:
         """Numbers all layers of this kind hold after ``T`` tokens."""
-        return self.layers * (self.tokens_held(T) * self.per_token + self.state)
+        return self.layers * (self.entries(T) * self.per_token + self.state)
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,7 @@ class ModelPattern:
     ----------
     name : str
     kinds : tuple of LayerKind
-        The layers that cache something.
+        The layers that cache something, a kind kept ``beside`` another as a pool of its own.
     layers : int
         All attention layers, those that read another layer's cache included.
     source : str
@@ -168,17 +174,24 @@ class ModelPattern:
     note: str = ""
 
     def __post_init__(self):
-        own = sum(kind.layers for kind in self.kinds)
+        own = self.caching_layers()
         if own > self.layers:
             raise ValueError(f"{self.name}: {own} caching layers in kinds; layers={self.layers}")
+
+    def caching_layers(self) -> int:
+        """Layers that keep a cache of their own (a pool kept ``beside`` counted once)."""
+        return sum(kind.layers for kind in self.kinds if not kind.beside)
 
     def cache_bytes(self, T: int, dtype_bytes: int = 2) -> int:
         """Bytes of the whole cache (all pools) of one sequence of ``T`` tokens."""
         return dtype_bytes * sum(kind.numbers(T) for kind in self.kinds)
 
-    def growth_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """Bytes a token adds once every window is full: the global layers' share."""
-        return dtype_bytes * sum(k.layers * k.per_token for k in self.kinds if k.window is None)
+    def growth_bytes_per_token(self, dtype_bytes: int = 2) -> float:
+        """Bytes a token adds, on average, once every window is full: the global layers'
+        share (a compressed layer's entry spread over the tokens it pools)."""
+        return dtype_bytes * sum(
+            k.layers * k.per_token / k.compress for k in self.kinds if k.window is None
+        )
 
 
 def _kv(heads: int, dim: int) -> int:
@@ -267,6 +280,20 @@ MODELS: dict[str, ModelPattern] = {
             "MLA: a 512-wide latent and a 64-wide rotated key per token and layer",
         ),
         ModelPattern(
+            "DeepSeek-V4-Pro",
+            (
+                # CSA: one entry per 4 tokens, a 512-wide latent and the indexer's 128-wide key
+                LayerKind("CSA (4 tokens an entry)", 30, 512 + 128, compress=4),
+                LayerKind("HCA (128 tokens an entry)", 31, 512, compress=128),
+                LayerKind("window 128 beside the entries", 61, 512, 128, beside=True),
+            ),
+            61,
+            "DeepSeek-AI (2026), V4 technical report; vLLM's DeepSeek-V4 notes (2026)",
+            "sizes from the report and vLLM's notes, as the sparse-selection page assumes; "
+            "every layer keeps a 128-token window beside its entries; compressor state "
+            "(the last group's raw tokens) left out",
+        ),
+        ModelPattern(
             "YOCO (Llama 3.1 8B sizes)",
             (
                 LayerKind("window 1024", 16, _kv(8, 128), 1024),
@@ -286,7 +313,7 @@ MODELS: dict[str, ModelPattern] = {
 
 
 def _default_inv_freq(head_dim: int, base: float) -> np.ndarray:
-    head_dim = _count("head_dim", head_dim, minimum=2)
+    head_dim = check_count(head_dim, "head_dim", minimum=2)
     if head_dim % 2:
         raise ValueError(f"head_dim must be even (pairs of features); got {head_dim}")
     if not base > 1:
@@ -369,9 +396,9 @@ def dynamic_ntk_base(base: float, head_dim: int, *, factor: float, max_position:
     >>> round(dynamic_ntk_base(10000.0, 128, factor=2.0, max_position=4096, length=8192))
     30528
     """
-    head_dim = _count("head_dim", head_dim, minimum=4)
-    length = _count("length", length, minimum=1)
-    max_position = _count("max_position", max_position, minimum=1)
+    head_dim = check_count(head_dim, "head_dim", minimum=4)
+    length = check_count(length, "length", minimum=1)
+    max_position = check_count(max_position, "max_position", minimum=1)
     if length <= max_position:
         return float(base)
     stretch = factor * length / max_position - (factor - 1)
@@ -399,7 +426,8 @@ def longrope_inv_freq(
     [1.0, 0.025]
     """
     theta = _default_inv_freq(head_dim, base)
-    chosen = long_factor if _count("length", length) > original_max_position else short_factor
+    length = check_count(length, "length", minimum=0)
+    chosen = long_factor if length > original_max_position else short_factor
     chosen = np.asarray(chosen, dtype=np.float64)
     if chosen.shape != theta.shape:
         raise ValueError(
@@ -434,7 +462,7 @@ def mla_attention_flops(
     >>> f["naive"], f["absorbed"]       # 2 (4 * 6 * 1000 + 8 * 1000), 2 (12 + 10 * 1000 + 12)
     (64000, 20048)
     """
-    T, S = _count("T", T, minimum=1), _count("S", S, minimum=1)
+    T, S = check_count(T, "T", minimum=1), check_count(S, "S", minimum=1)
     H, Dc, Dr = heads, d_latent, d_rope
     Dn, Dv = d_nope, d_value
     naive = S * Dc * H * (Dn + Dv) + T * S * H * (Dn + Dr + Dv)
@@ -455,7 +483,7 @@ def mla_crossover(S: int, *, d_latent: int, d_nope: int, d_value: int) -> float:
     >>> round(mla_crossover(10**9, d_latent=512, d_nope=128, d_value=128), 2)
     170.67
     """
-    S = _count("S", S, minimum=1)
+    S = check_count(S, "S", minimum=1)
     up = d_latent * (d_nope + d_value)
     extra = 2 * d_latent - d_nope - d_value
     if extra <= 0:

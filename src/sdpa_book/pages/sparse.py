@@ -18,9 +18,11 @@ key block.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 
 import numpy as np
+
+from sdpa_book.checks import check_count
 
 __all__ = ["TopicSequence", "sparse_entries", "topic_sequence"]
 
@@ -56,19 +58,11 @@ class TopicSequence:
     segment: np.ndarray
 
 
-def _positive_int(value, name: str, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int; got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}; got {value}")
-    return int(value)
-
-
 def _segment_range(segment) -> tuple[int, int]:
     if not isinstance(segment, (tuple, list)) or len(segment) != 2:
         raise TypeError(f"segment must be a pair (shortest, longest); got {segment!r}")
-    shortest = _positive_int(segment[0], "segment[0]")
-    longest = _positive_int(segment[1], "segment[1]")
+    shortest = check_count(segment[0], "segment[0]")
+    longest = check_count(segment[1], "segment[1]")
     if longest < shortest:
         raise ValueError(
             f"segment must be (shortest, longest) with shortest <= longest; got {segment}"
@@ -147,10 +141,10 @@ def topic_sequence(
     """
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a np.random.Generator; got {type(rng).__name__}")
-    n = _positive_int(n, "n")
-    Dk = _positive_int(Dk, "Dk")
-    Dv = Dk if Dv is None else _positive_int(Dv, "Dv")
-    n_topics = _positive_int(n_topics, "n_topics")
+    n = check_count(n, "n")
+    Dk = check_count(Dk, "Dk")
+    Dv = Dk if Dv is None else check_count(Dv, "Dv")
+    n_topics = check_count(n_topics, "n_topics")
     shortest, longest = _segment_range(segment)
     if signal is None:
         signal = float(np.sqrt(Dk))
@@ -226,8 +220,8 @@ def sparse_entries(n, block: int, n_top: int):
     >>> sparse_entries(4096, block=128, n_top=32)[0] == 4096 * 4097 // 2  # all blocks: dense
     True
     """
-    block = _positive_int(block, "block")
-    n_top = _positive_int(n_top, "n_top", minimum=0)
+    block = check_count(block, "block")
+    n_top = check_count(n_top, "n_top", minimum=0)
     scalar = np.ndim(n) == 0
     lengths = np.asarray(n)
     if lengths.dtype == bool or not np.issubdtype(lengths.dtype, np.integer):

@@ -59,10 +59,36 @@ def test_deepseek_v3_and_qwen3_next_by_hand():
     assert qwen.cache_bytes(1) - qwen.cache_bytes(0) == 2 * 12 * 2 * 2 * 256
 
 
+def test_deepseek_v4_pro_by_hand():
+    # 30 CSA layers: an entry of 512 + 128 per 4 whole tokens; 31 HCA layers: 512 per 128;
+    # every layer a window of the last 128 latents of 512, beside its entries
+    v4 = MODELS["DeepSeek-V4-Pro"]
+    for T in (0, 3, 4, 127, 128, 1000, K128):
+        windows = 61 * min(T, 128) * 512
+        assert v4.cache_bytes(T) == 2 * (30 * 640 * (T // 4) + 31 * 512 * (T // 128) + windows)
+    assert v4.caching_layers() == 61
+    assert v4.growth_bytes_per_token() == 2 * (30 * 640 / 4 + 31 * 512 / 128)
+    # vLLM's serving notes: 9.62 GiB in bf16 at a million tokens
+    assert round(v4.cache_bytes(2**20) / 2**30, 2) == 9.62
+
+
+def test_compressed_layer_caches_whole_groups_only():
+    kind = LayerKind("c", 2, 10, compress=4)
+    assert [kind.entries(T) for T in (0, 3, 4, 7, 8)] == [0, 0, 1, 1, 2]
+    assert kind.numbers(9) == 2 * 2 * 10
+    with pytest.raises(ValueError, match="compress must be at least 1"):
+        LayerKind("c", 1, 4, compress=0)
+
+
 def test_every_model_names_its_source_and_layers_add_up():
     for name, model in MODELS.items():
         assert model.source, name
-        assert sum(k.layers for k in model.kinds) <= model.layers
+        own = sum(k.layers for k in model.kinds if not k.beside)
+        assert own == model.caching_layers() <= model.layers
+        # a pool kept beside another is kept by layers some other kind counts
+        for kind in model.kinds:
+            if kind.beside:
+                assert kind.layers <= own, name
         assert model.cache_bytes(0) >= 0
 
 
@@ -91,7 +117,7 @@ def test_kv_bytes_per_token_by_hand_and_sharing():
     "kwargs, error, message",
     [
         ({"layers": 0}, ValueError, "layers must be at least 1; got 0"),
-        ({"kv_heads": 2.0}, TypeError, "kv_heads must be an int; got float"),
+        ({"kv_heads": 2.0}, TypeError, "kv_heads must be an int; got 2.0"),
         ({"head_dim": True}, TypeError, "head_dim must be an int"),
         ({"shared_layers": 4}, ValueError, "shared_layers must be below layers"),
         ({"shared_layers": -1}, ValueError, "shared_layers must be at least 0"),
