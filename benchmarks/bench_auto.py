@@ -93,12 +93,9 @@ def auto_cases(quick: bool) -> list[dict]:
 
 
 #: Most interleaved rounds of one case (its fastest calls, of a few milliseconds) ...
-MAX_ROUNDS = 101
+MAX_ROUNDS = 31
 #: ... and about the most seconds of calls it takes (a slow path's 1.3 s calls: few rounds).
 CASE_SECONDS = 10.0
-#: Pause between calls, s: torch takes no part here (its threads are what ``--idle`` lets
-#: settle), and 0.15 s between a hundred rounds' calls would stretch the section to an hour.
-AUTO_IDLE = 0.01
 
 
 def run_auto_case(case, idle, rounds=7) -> dict:
@@ -106,11 +103,15 @@ def run_auto_case(case, idle, rounds=7) -> dict:
 
     The ratios compare medians over the rounds. The best round of each path (kept as
     ``time``, which ``benchmarks/tune.py`` fits) is an extreme: on the benchmark machine
-    auto's best of 101 rounds and the best of the path it takes, the same code but for a
-    decision of under 0.1 ms, were up to 1.2 apart on a 3 ms call, from one run to the next;
-    their medians were within a few percent. At least ``rounds`` rounds; a faster case gets as
-    many as fill about half a second of the faster path, up to ``MAX_ROUNDS`` and
-    ``CASE_SECONDS`` of calls. The garbage collector is off while timing, as in
+    auto's best round and the best round of the path it takes, the same code but for a
+    decision of under 0.1 ms, were up to 1.2 apart on a 3 ms call, from one run to the next.
+    At least ``rounds`` rounds; a faster case gets as many as fill about half a second of the
+    faster path, up to ``MAX_ROUNDS`` and ``CASE_SECONDS`` of calls. Each call follows a
+    pause of ``idle`` seconds: after a pause of 0.01 s instead of 0.15 the tiled path took
+    1.2 to 1.45 times as long (32 causal heads of 256 x 256; 8 heads of 16 queries over
+    16384 keys; medians of 15 interleaved rounds), while the reference path took 0.9 of its
+    time; OpenBLAS's threads spin for a while after a product, and likely compete with the
+    tiled path's. The garbage collector is off while timing, as in
     :mod:`timeit`.
     """
     from sdpa.cost_model import worth_tiling
@@ -141,7 +142,6 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     wanted = math.ceil(0.5 / max(fastest_call, 1e-6))  # half a second of the faster path
     affordable = math.ceil(CASE_SECONDS / max(sum(warm.values()), 1e-6))
     rounds = max(rounds, min(MAX_ROUNDS, wanted, affordable))
-    idle = min(idle, AUTO_IDLE)
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -183,7 +183,7 @@ def auto_lines(auto) -> list[str]:
         '## `implementation="auto"` against the faster path',
         "",
         "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d) (GQA: H over Hkv "
-        "heads, enable_gqa); medians of 7 to 101 interleaved rounds (more for quicker cases). "
+        "heads, enable_gqa); medians of 7 to 31 interleaved rounds (more for quicker cases). "
         '"chosen/faster" compares the path auto takes with the faster one in the same rounds; '
         '"auto/faster" times auto itself (the same path, plus the decision).',
         "",

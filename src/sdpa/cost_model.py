@@ -171,6 +171,19 @@ def tiling_geometry(
     T, S = problem.T, problem.S
     F, bq, bk = tile_plan_sizes(problem, block_q, block_k)
     outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // max(F, 1)
+    groups = head_groups(problem, F, bq)  # units per block of rows: several heads to a unit
+    num_threads = default_num_threads()
+    if problem.band == (None, None):  # every block of rows walks all the keys (decoding, fast)
+        n_q = -(-T // bq)
+        row_tiles = n_q * -(-S // bk) if S else 0
+        units = groups * n_q
+        return (
+            units,
+            outer * row_tiles,
+            groups * row_tiles,
+            outer * F * T * S,
+            min(num_threads, max(units, 1)),
+        )
     t0 = np.arange(0, T, bq, dtype=np.int64)  # the first query of each block
     t1 = np.minimum(t0 + bq, T)
     lo, hi = problem.band
@@ -178,13 +191,11 @@ def tiling_geometry(
     stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
     stop = np.maximum(start, stop)
     n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
-    groups = head_groups(problem, F, bq)  # units per block of rows: several heads to a unit
     units = groups * t0.size
     tiles = outer * int(n_tiles.sum())
     steps = groups * int(n_tiles.sum())
     scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
-    num_threads = min(default_num_threads(), max(units, 1))
-    return units, tiles, steps, scores, num_threads
+    return units, tiles, steps, scores, min(num_threads, max(units, 1))
 
 
 def estimated_times(
