@@ -195,11 +195,12 @@ def _format_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def check_int(value, name: str, *, minimum: int | None = None) -> int:
+def check_int(value, name: str, *, minimum: int | None = None, unit: str = "") -> int:
     """Return ``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``, else raise.
 
     The one integer check: ``TypeError`` for a non-integer, ``ValueError`` below ``minimum``,
-    both saying what was expected and what was given.
+    both saying what was expected (with its ``unit``, if given: "a positive integer (words)")
+    and what was given.
     """
     if minimum is None:
         expected = "an integer"
@@ -209,6 +210,8 @@ def check_int(value, name: str, *, minimum: int | None = None) -> int:
         expected = "a positive integer"
     else:
         expected = f"an integer >= {minimum}"
+    if unit:
+        expected += f" ({unit})"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
         raise TypeError(f"{name} must be {expected}; got {value!r}")
     if minimum is not None and value < minimum:
@@ -221,9 +224,9 @@ def check_nonneg_int(value, name: str) -> int:
     return check_int(value, name, minimum=0)
 
 
-def check_positive_int(value, name: str) -> int:
+def check_positive_int(value, name: str, *, unit: str = "") -> int:
     """Return ``value`` as an ``int`` if it is a positive integer, else raise."""
-    return check_int(value, name, minimum=1)
+    return check_int(value, name, minimum=1, unit=unit)
 
 
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

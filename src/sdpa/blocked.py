@@ -23,23 +23,21 @@ diagonal and mask inside the tiles the diagonal crosses. Not supported, on purpo
 from __future__ import annotations
 
 from collections.abc import Callable
-from numbers import Integral
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._checks import as_float_array, check_bool, check_scale, compute_dtype, lse_dtype
+from ._checks import (
+    as_float_array,
+    check_bool,
+    check_positive_int,
+    check_scale,
+    compute_dtype,
+    lse_dtype,
+)
 from .tuning import LSE_EXACT_LIMIT  # beyond it, the rounding of a saved lse moves the weights
 
 __all__ = ["blocked_attention", "blocked_attention_backward"]
-
-
-def _check_block(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be a positive integer; got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    return int(value)
 
 
 def _check_matrix(x: ArrayLike, name: str, letters: str) -> np.ndarray:
@@ -53,7 +51,7 @@ def _check_matrix(x: ArrayLike, name: str, letters: str) -> np.ndarray:
 
 
 def _check_blocks(block_q, block_k) -> tuple[int, int]:
-    return _check_block(block_q, "block_q"), _check_block(block_k, "block_k")
+    return check_positive_int(block_q, "block_q"), check_positive_int(block_k, "block_k")
 
 
 def _check_options(is_causal, on_tile) -> bool:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._checks import check_bool, check_scale
-from ..blocked import _causal, _check_block, _check_matrix
+from .._checks import check_bool, check_positive_int, check_scale
+from ..blocked import _causal, _check_matrix
 from .block_sizes import _check_capacity, _flash_blocks, textbook_block_size
 from .machine import IOCount, TwoLevelMemory
 
@@ -118,7 +118,7 @@ def textbook_attention_io(
     b = (
         textbook_block_size(max(Dk, Dv), capacity)
         if block is None
-        else _check_block(block, "block")
+        else check_positive_int(block, "block")
     )
     mem = TwoLevelMemory(capacity)
     scores = np.empty((T, S))  # slow memory

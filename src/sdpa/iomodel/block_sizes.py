@@ -7,21 +7,14 @@ sizes keep its orders of magnitude and fit in ``M`` (see :mod:`sdpa.iomodel`).
 from __future__ import annotations
 
 import math
-from numbers import Integral
 
-import numpy as np
-
-from ..blocked import _check_block
+from .._checks import check_positive_int
 
 __all__ = ["flash_block_sizes", "textbook_block_size"]
 
 
 def _check_capacity(capacity) -> int:
-    if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, Integral):
-        raise TypeError(f"capacity must be a positive integer (words); got {capacity!r}")
-    if capacity < 1:
-        raise ValueError(f"capacity must be a positive integer (words); got {capacity!r}")
-    return int(capacity)
+    return check_positive_int(capacity, "capacity", unit="words")
 
 
 def textbook_block_size(d: int, capacity: int) -> int:
@@ -48,7 +41,7 @@ def textbook_block_size(d: int, capacity: int) -> int:
     >>> textbook_block_size(d=2, capacity=32)  # 2*4*2 + 4*4 = 32
     4
     """
-    d = _check_block(d, "d")
+    d = check_positive_int(d, "d")
     capacity = _check_capacity(capacity)
     b = math.isqrt(d * d + capacity) - d  # the positive root of b**2 + 2 d b - M, rounded down
     if b < 1:
@@ -111,8 +104,8 @@ def flash_block_sizes(dk: int, dv: int, capacity: int, *, loop_order: str) -> tu
     """
     if loop_order not in ("kv_outer", "q_outer"):
         raise ValueError(f"loop_order must be 'kv_outer' or 'q_outer'; got {loop_order!r}")
-    dk = _check_block(dk, "dk")
-    dv = _check_block(dv, "dv")
+    dk = check_positive_int(dk, "dk")
+    dv = check_positive_int(dv, "dv")
     capacity = _check_capacity(capacity)
     d, width = max(dk, dv), dk + dv
     extra = 6 if loop_order == "kv_outer" else 4  # vectors of the query block's length
@@ -134,6 +127,6 @@ def flash_block_sizes(dk: int, dv: int, capacity: int, *, loop_order: str) -> tu
 def _flash_blocks(Dk, Dv, capacity, block_q, block_k, loop_order):
     """The flash algorithms' ``(block_q, block_k)``: those given, else flash_block_sizes'."""
     default_q, default_k = flash_block_sizes(Dk, Dv, capacity, loop_order=loop_order)
-    block_q = default_q if block_q is None else _check_block(block_q, "block_q")
-    block_k = default_k if block_k is None else _check_block(block_k, "block_k")
+    block_q = default_q if block_q is None else check_positive_int(block_q, "block_q")
+    block_k = default_k if block_k is None else check_positive_int(block_k, "block_k")
     return block_q, block_k

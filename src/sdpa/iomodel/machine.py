@@ -8,10 +8,11 @@ The package's docstring (:mod:`sdpa.iomodel`) describes the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+from .._checks import check_positive_int
 
 __all__ = ["FastMemoryOverflow", "IOCount", "TwoLevelMemory"]
 
@@ -84,11 +85,7 @@ class TwoLevelMemory:
     """
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, Integral):
-            raise TypeError(f"capacity must be a positive integer (words); got {capacity!r}")
-        if capacity < 1:
-            raise ValueError(f"capacity must be a positive integer (words); got {capacity!r}")
-        self.capacity = int(capacity)
+        self.capacity = check_positive_int(capacity, "capacity", unit="words")
         self.loads = 0
         self.stores = 0
         self.peak = 0
