@@ -21,8 +21,13 @@ from numpy.typing import ArrayLike
 
 from ._checks import check_bool, check_memory, check_probability, check_rng
 from .cost_model import worth_tiling
-from .problem import AttentionProblem, mark_poisoned, masked_scores, overflow_checked
-from .problem import prepare_attention as _prepare_attention  # public in sdpa.problem only
+from .problem import (
+    AttentionProblem,
+    mark_poisoned,
+    masked_scores,
+    overflow_checked,
+    prepare_attention,
+)
 from .softmax_stable import softmax_and_lse
 from .tiled import attention_tiled
 
@@ -398,7 +403,7 @@ def scaled_dot_product_attention(
         raise TypeError(
             f"dropout_p={dropout_p} > 0 needs an explicit rng=np.random.default_rng(seed)"
         )
-    problem = _prepare_attention(
+    problem = prepare_attention(
         query,
         key,
         value,
