@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import gc
 import math
+import multiprocessing
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from bench_common import fmt_time, in_turn
@@ -93,30 +95,15 @@ def auto_cases(quick: bool) -> list[dict]:
 
 
 #: Most interleaved rounds of one case (its fastest calls, of a few milliseconds) ...
-MAX_ROUNDS = 31
+MAX_ROUNDS = 33
 #: ... and about the most seconds of calls it takes (a slow path's 1.3 s calls: few rounds).
 CASE_SECONDS = 10.0
+#: Fresh processes a case's rounds are shared among (each a third of them).
+PROCESSES = 3
 
 
-def run_auto_case(case, idle, rounds=7) -> dict:
-    """Time the three implementations interleaved; which path auto takes; auto / faster.
-
-    The ratios compare medians over the rounds. The best round of each path (kept as
-    ``time``, which ``benchmarks/tune.py`` fits) is an extreme: on the benchmark machine
-    auto's best round and the best round of the path it takes, the same code but for a
-    decision of under 0.1 ms, were up to 1.2 apart on a 3 ms call, from one run to the next.
-    At least ``rounds`` rounds; a faster case gets as many as fill about half a second of the
-    faster path, up to ``MAX_ROUNDS`` and ``CASE_SECONDS`` of calls. Each call follows a
-    pause of ``idle`` seconds: after a pause of 0.01 s instead of 0.15 the tiled path took
-    1.2 to 1.45 times as long (32 causal heads of 256 x 256; 8 heads of 16 queries over
-    16384 keys; medians of 15 interleaved rounds), while the reference path took 0.9 of its
-    time; OpenBLAS's threads spin for a while after a product, and likely compete with the
-    tiled path's. The garbage collector is off while timing, as in
-    :mod:`timeit`.
-    """
-    from sdpa.cost_model import worth_tiling
-    from sdpa.problem import prepare_attention
-
+def _inputs(case):
+    """``(q, k, v, enable_gqa)`` of a case, the same in every process."""
     rng = np.random.default_rng(case["n"] * case["d"] + case["t"])
     gqa = case.get("kv_heads") is not None  # k and v with kv_heads heads, shared by groups
     kv_lead = (*case["lead"][:-1], case["kv_heads"]) if gqa else case["lead"]
@@ -124,6 +111,13 @@ def run_auto_case(case, idle, rounds=7) -> dict:
         rng.standard_normal((*lead, n, case["d"])).astype(case["dtype"])
         for lead, n in ((case["lead"], case["t"]), (kv_lead, case["n"]), (kv_lead, case["n"]))
     )
+    return q, k, v, gqa
+
+
+def time_in_this_process(case, idle, rounds) -> dict:
+    """``{path: [seconds of each round]}``: the three implementations, interleaved, after a
+    warm-up; ``rounds`` at least, more for a fast case (see :func:`run_auto_case`)."""
+    q, k, v, gqa = _inputs(case)
     impls = {
         name: (
             lambda name=name: scaled_dot_product_attention(
@@ -139,9 +133,9 @@ def run_auto_case(case, idle, rounds=7) -> dict:
         f()
         warm[name] = time.perf_counter() - start
     fastest_call = min(warm["reference"], warm["tiled"])
-    wanted = math.ceil(0.5 / max(fastest_call, 1e-6))  # half a second of the faster path
-    affordable = math.ceil(CASE_SECONDS / max(sum(warm.values()), 1e-6))
-    rounds = max(rounds, min(MAX_ROUNDS, wanted, affordable))
+    wanted = math.ceil(0.5 / max(fastest_call, 1e-6) / PROCESSES)  # 0.5 s of the faster path
+    affordable = math.ceil(CASE_SECONDS / PROCESSES / max(sum(warm.values()), 1e-6))
+    rounds = max(rounds, min(MAX_ROUNDS // PROCESSES, wanted, affordable))
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -154,9 +148,42 @@ def run_auto_case(case, idle, rounds=7) -> dict:
     finally:
         if collecting:
             gc.enable()
+    return times
+
+
+def run_auto_case(case, idle, rounds=3) -> dict:
+    """Time the three implementations interleaved; which path auto takes; auto / faster.
+
+    The rounds are shared among ``PROCESSES`` fresh processes, one after the other, and
+    pooled: a process's medians of 31 rounds measured auto and the tiled path it takes, the
+    same code but for a decision of 45 us, 6.6 % apart on a 5 ms call, and 1 % apart in the
+    next process (where its arrays and buffers land differs from process to process; pyperf
+    spreads its runs over processes for the same reason). The ratios compare medians of the
+    pooled rounds. The best round of each path (kept as ``time``, which
+    ``benchmarks/tune.py`` fits) is an extreme: auto's best and the best of the path it takes
+    were up to 1.2 apart on a 3 ms call. Each process runs at least ``rounds`` rounds; a
+    faster case gets as many as fill about half a second of the faster path in all, up to
+    ``MAX_ROUNDS`` and ``CASE_SECONDS`` of calls. Each call follows a pause of ``idle``
+    seconds: after a pause of 0.01 s instead of 0.15 the tiled path took 1.2 to 1.45 times as
+    long (32 causal heads of 256 x 256; 8 heads of 16 queries over 16384 keys; medians of 15
+    interleaved rounds), while the reference path took 0.9 of its time; OpenBLAS's threads
+    spin for a while after a product, and likely compete with the tiled path's. The garbage
+    collector is off while timing, as in :mod:`timeit`.
+    """
+    from sdpa.cost_model import worth_tiling
+    from sdpa.problem import prepare_attention
+
+    times = {name: [] for name in ("auto", "reference", "tiled")}
+    spawn = multiprocessing.get_context("spawn")
+    for _ in range(PROCESSES):  # one after the other: never two processes timing at once
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            for name, t in pool.submit(time_in_this_process, case, idle, rounds).result().items():
+                times[name] += t
+    q, k, v, gqa = _inputs(case)
     result = dict(case, lead=list(case["lead"]))
     result["time"] = {name: min(t) for name, t in times.items()}
     result["median"] = {name: statistics.median(t) for name, t in times.items()}
+    result["rounds"] = len(times["auto"])
     chosen = worth_tiling(prepare_attention(q, k, v, None, case["causal"], enable_gqa=gqa))
     result["auto takes"] = "tiled" if chosen else "reference"
     median = result["median"]
@@ -183,7 +210,7 @@ def auto_lines(auto) -> list[str]:
         '## `implementation="auto"` against the faster path',
         "",
         "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d) (GQA: H over Hkv "
-        "heads, enable_gqa); medians of 7 to 31 interleaved rounds (more for quicker cases). "
+        "heads, enable_gqa); medians of 9 to 33 interleaved rounds pooled from 3 fresh processes (more for quicker cases). "
         '"chosen/faster" compares the path auto takes with the faster one in the same rounds; '
         '"auto/faster" times auto itself (the same path, plus the decision).',
         "",

@@ -199,6 +199,21 @@ def test_flex_lines_report_the_ratio_against_its_target(run, sections):
     )  # fmt: skip
 
 
+def test_an_auto_case_pools_the_rounds_of_fresh_processes(sections, monkeypatch):
+    # The rounds come from PROCESSES processes (spawned: they import bench_auto from the path)
+    # and the ratios from the medians of all of them.
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    auto = sections["auto"]
+    case = dict(kind="t", lead=(2,), t=8, n=16, d=8, causal=False, dtype="float32")
+    r = auto.run_auto_case(case, 0.0, rounds=3)
+    assert r["rounds"] >= 3 * auto.PROCESSES and r["rounds"] % auto.PROCESSES == 0
+    assert r["auto takes"] == "reference"  # 256 scores: far below the tiling threshold
+    median = r["median"]
+    assert r["auto/faster"] == median["auto"] / min(median["reference"], median["tiled"])
+    assert r["chosen/faster"] == median["reference"] / min(median["reference"], median["tiled"])
+    assert all(r["time"][name] <= median[name] for name in median)
+
+
 def test_the_auto_grid_holds_grouped_query_decoding(sections):
     auto = sections["auto"]
     # issue 34: 32 and 64 query heads over 8 key heads, T = 1 to 8, S = 512 to 16384
