@@ -22,8 +22,10 @@ throughout the package:
     The keys of one step of a unit's walk: one matrix product of the unit's queries with
     them, one exponential, one product with their values. A piece is *full* (every score of
     it allowed: no mask applied) or *partial* (a mask applies). The dense face cuts the keys
-    the causal/window band allows into pieces of consecutive keys, the diagonal's apart
-    (:mod:`sdpa.tiles.band`); the flex face gathers a block mask's non-empty blocks of one
+    the causal/window band allows into pieces at multiples of ``BLOCK_K``, each trimmed to
+    the keys the band allows some query of the unit (a causal row of pieces stops at the
+    diagonal); a piece the band's edge crosses is partial, and may hold full keys too
+    (:mod:`sdpa.tiles.band`). The flex face gathers a block mask's non-empty blocks of one
     kind (:mod:`sdpa.tiles.blocks`).
 **plan**
     Everything a face derives from the shapes and the mask before any unit runs: the units,
