@@ -98,8 +98,10 @@ def auto_cases(quick: bool) -> list[dict]:
 MAX_ROUNDS = 33
 #: ... and about the most seconds of calls it takes (a slow path's 1.3 s calls: few rounds).
 CASE_SECONDS = 10.0
-#: Fresh processes a case's rounds are shared among (each a third of them).
+#: Fresh processes a case's rounds are shared among (each a third of them) ...
 PROCESSES = 3
+#: ... and the fewest rounds each runs (a slow case's).
+MIN_ROUNDS = 3
 
 
 def _inputs(case):
@@ -151,7 +153,7 @@ def time_in_this_process(case, idle, rounds) -> dict:
     return times
 
 
-def run_auto_case(case, idle, rounds=3) -> dict:
+def run_auto_case(case, idle, rounds=MIN_ROUNDS) -> dict:
     """Time the three implementations interleaved; which path auto takes; auto / faster.
 
     The rounds are shared among ``PROCESSES`` fresh processes, one after the other, and
@@ -210,7 +212,8 @@ def auto_lines(auto) -> list[str]:
         '## `implementation="auto"` against the faster path',
         "",
         "float32, q of shape (*lead, T, d), k and v of shape (*lead, S, d) (GQA: H over Hkv "
-        "heads, enable_gqa); medians of 9 to 33 interleaved rounds pooled from 3 fresh processes (more for quicker cases). "
+        f"heads, enable_gqa); medians of {MIN_ROUNDS * PROCESSES} to {MAX_ROUNDS} interleaved rounds "
+        f"pooled from {PROCESSES} fresh processes (more for quicker cases). "
         '"chosen/faster" compares the path auto takes with the faster one in the same rounds; '
         '"auto/faster" times auto itself (the same path, plus the decision).',
         "",

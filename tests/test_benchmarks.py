@@ -211,7 +211,6 @@ def test_an_auto_case_pools_the_rounds_of_fresh_processes(sections, monkeypatch)
     median = r["median"]
     assert r["auto/faster"] == median["auto"] / min(median["reference"], median["tiled"])
     assert r["chosen/faster"] == median["reference"] / min(median["reference"], median["tiled"])
-    assert all(r["time"][name] <= median[name] for name in median)
 
 
 def test_the_auto_grid_holds_grouped_query_decoding(sections):
