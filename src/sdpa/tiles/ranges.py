@@ -14,9 +14,11 @@ per column, which is exact, as is undoing it (``restore_scale()``).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ..tuning import VALUE_FLOOR_BITS
+from ..tuning import VALUE_FLOOR_BITS, WIDE_ROW
 from .softmax import LAZY_BOUND
 
 __all__: list[str] = []
@@ -52,11 +54,20 @@ def values_may_be_out_of_range(top: np.ndarray) -> bool:
 
 def widen_column_top(top: np.ndarray, out: np.ndarray) -> None:
     """Raise ``top`` ``(Dv,)`` in place to the largest ``|out|`` of each column of ``out``
-    ``(..., Dv)``; a NaN, once met, stays (``np.maximum``)."""
-    if out.size:
-        axes = tuple(range(out.ndim - 1))
-        np.maximum(top, np.max(out, axis=axes), out=top)  # no temporary of out's size
-        np.maximum(top, -np.min(out, axis=axes), out=top)
+    ``(..., rows, Dv)``; a NaN, once met, stays (``np.max`` and ``np.maximum`` keep it).
+
+    The rows are first laid ``r`` side by side, ``(..., rows / r, r Dv)`` (a view: each
+    block of rows is contiguous), so that NumPy's reduction over the leading axes runs
+    along rows of about ``WIDE_ROW`` entries rather than ``Dv`` (see :mod:`sdpa.tuning`).
+    """
+    if not out.size:
+        return
+    rows, Dv = out.shape[-2:]
+    r = math.gcd(rows, max(1, WIDE_ROW // Dv))
+    wide = out.reshape(*out.shape[:-2], rows // r, r * Dv)
+    axes = tuple(range(wide.ndim - 1))
+    np.maximum(top, np.max(wide, axis=axes).reshape(r, Dv).max(axis=0), out=top)
+    np.maximum(top, -np.min(wide, axis=axes).reshape(r, Dv).min(axis=0), out=top)
 
 
 def restore_scale(out: np.ndarray, v_exp: np.ndarray | None, top: np.ndarray) -> None:

@@ -97,6 +97,23 @@ def test_widen_column_top_raises_in_place_and_keeps_nan():
     np.testing.assert_array_equal(top, [np.nan, 2.0, np.nan])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 48, 1024, 1040])
+@pytest.mark.parametrize("Dv", [3, 64, 96])
+def test_widen_column_top_of_a_view_of_several_heads_is_each_column_s_largest_magnitude(rows, Dv):
+    # A unit's block as the faces hand it over: rows t0:t1 of several heads of a larger result
+    # (not contiguous across heads), its rows laid side by side inside the function.
+    rng = np.random.default_rng(rows * Dv)
+    result = rng.standard_normal((2, 3, rows + 5, Dv)).astype(np.float32)
+    block = result[:, 1:, 2 : 2 + rows]
+    top = np.full(Dv, 0.5, np.float32)
+    expected = np.maximum(0.5, np.abs(block.astype(np.float64)).reshape(-1, Dv).max(axis=0))
+    widen_column_top(top, block)
+    np.testing.assert_array_equal(top, expected.astype(np.float32))
+    block[-1, -1, rows // 2, Dv - 1] = np.nan  # met anywhere, it reaches its column only
+    widen_column_top(top, block)
+    assert np.isnan(top[-1]) and not np.isnan(top[:-1]).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_restore_scale_undoes_the_scaling_exactly(dtype, rng):
     S = 4
