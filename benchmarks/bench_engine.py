@@ -59,8 +59,9 @@ def causal(b, h, q_idx, kv_idx):
 
 def package_variants(package, q, k, v, prefix="") -> dict:
     """The four sdpa variants of ``package`` (sdpa, or the baseline's copy), as calls of no
-    argument; the causal block mask is made here, once, outside any timing. A baseline whose
-    ``flex_attention`` has no ``implementation`` argument yet is timed on its dense path only."""
+    argument; the causal block mask is made here, once, outside any timing. A baseline
+    without ``flex_attention``, or whose ``flex_attention`` has no ``implementation`` argument
+    yet, is timed on its dense path only."""
     n = q.shape[-2]
     impls = {
         prefix + "dense": lambda: package.scaled_dot_product_attention(
@@ -70,7 +71,8 @@ def package_variants(package, q, k, v, prefix="") -> dict:
             q, k, v, is_causal=True, implementation="tiled"
         ),
     }
-    if "implementation" in inspect.signature(package.flex_attention).parameters:
+    flex = getattr(package, "flex_attention", None)
+    if flex is not None and "implementation" in inspect.signature(flex).parameters:
         mask = package.create_block_mask(causal, None, None, n, n)
         impls[prefix + "flex"] = lambda: package.flex_attention(q, k, v, implementation="tiled")
         impls[prefix + "flex causal"] = lambda: package.flex_attention(
