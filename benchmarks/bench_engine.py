@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 import statistics
 import time
 
@@ -33,9 +34,8 @@ import numpy as np
 from bench_common import BASELINE_SLACK, D, fmt, fmt_time, rotated, table
 
 import sdpa
-from sdpa.problem import prepare_attention
 from sdpa.threads import default_num_threads, run_in_threads
-from sdpa.tiles.band import tile_plan_sizes
+from sdpa.tuning import BLOCK_K, BLOCK_ROWS_FULL
 
 SHAPES = [(4, 8, 1024), (1, 8, 4096), (1, 32, 2048)]  # B, H, T = S
 DTYPE = "float32"
@@ -84,13 +84,17 @@ def package_variants(package, q, k, v, prefix="") -> dict:
 def products_alone(q, k, v, threads: int):
     """A call of no argument doing what the dense unmasked call does in matrix products, and
     nothing else: for each head's blocks of query rows and of keys as the dense path cuts them
-    (:func:`sdpa.tiles.band.tile_plan_sizes`), ``s = q_block @ k_block.T`` and ``s @ v_block``,
-    the units shared among ``threads`` threads as the engine shares them, BLAS held to one
-    thread. No scale, exponential, row sums, checks or result: the time of the products alone
-    at the BLAS's speed, which the whole call cannot beat."""
-    _, block_q, block_k = tile_plan_sizes(prepare_attention(q, k, v), num_threads=threads)
+    without a mask when every thread has a head of its own (``BLOCK_ROWS_FULL`` rows and
+    ``BLOCK_K`` keys of :mod:`sdpa.tuning`, clipped to ``T`` and ``S``), ``s = q_block @
+    k_block.T`` and ``s @ v_block``, the units shared among ``threads`` threads as the engine
+    shares them, BLAS held to one thread. No scale, exponential, row sums, checks or result:
+    the time of the products alone at the BLAS's speed, which the whole call cannot beat."""
     *lead, T, _ = q.shape
     S, Dv = k.shape[-2], v.shape[-1]
+    if math.prod(lead) < threads:
+        raise ValueError(f"products_alone needs a head per thread; got {lead} for {threads}")
+    block_q = min(T, BLOCK_ROWS_FULL[q.dtype])
+    block_k = min(S, BLOCK_K[q.dtype])
     q, k, v = (a.reshape(-1, *a.shape[-2:]) for a in (q, k, v))  # (heads, L, D)
     units = [(h, t0) for h in range(q.shape[0]) for t0 in range(0, T, block_q)]
 

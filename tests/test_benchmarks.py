@@ -322,7 +322,14 @@ def test_products_alone_multiply_every_score_once_in_both_products(sections, mon
     monkeypatch.setattr(engine, "np", SimpleNamespace(empty=np.empty, matmul=counting_matmul))
     call()
     assert sum(flops) == 3 * (2 * 1100 * 700 * 16 + 2 * 1100 * 700 * 8)
-    assert max(a[0] for a, _ in shapes) > 256 and max(b[1] for _, b in shapes) == 512
+    # the engine's own tiles for this call
+    from sdpa.problem import prepare_attention
+    from sdpa.tiles.band import tile_plan_sizes
+
+    _, block_q, block_k = tile_plan_sizes(prepare_attention(q, k, v), num_threads=2)
+    assert max(a[0] for a, _ in shapes) == block_q and max(b[1] for _, b in shapes) == block_k
+    with pytest.raises(ValueError, match="a head per thread"):
+        engine.products_alone(q, k, v, threads=4)
 
 
 def engine_row(times, shape=(1, 8, 4096)):

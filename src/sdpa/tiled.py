@@ -545,7 +545,10 @@ class _Worker:
                 meeting = rows_meeting(t0, t1, s0, s1, *band)
                 if not softmax.sums_hold(meeting, unit.n * plan.G):
                     return False
-        return not at_zero or softmax.sums_hold()
+        if not at_zero:
+            return True
+        # A single tile that every row met has been checked whole already.
+        return (stop - first == 1 and meeting == slice(0, t1 - t0)) or softmax.sums_hold()
 
     def tile_disallowed(self, unit: _Unit, s0: int, s1: int):
         """``(n, G, bq, bk)`` bool, True where the tile's scores are disallowed; None if none is;

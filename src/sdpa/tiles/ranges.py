@@ -56,18 +56,22 @@ def widen_column_top(top: np.ndarray, out: np.ndarray) -> None:
     """Raise ``top`` ``(Dv,)`` in place to the largest ``|out|`` of each column of ``out``
     ``(..., rows, Dv)``; a NaN, once met, stays (``np.max`` and ``np.maximum`` keep it).
 
-    The rows are first laid ``r`` side by side, ``(..., rows / r, r Dv)`` (a view: each
-    block of rows is contiguous), so that NumPy's reduction over the leading axes runs
-    along rows of about ``WIDE_ROW`` entries rather than ``Dv`` (see :mod:`sdpa.tuning`).
+    A block of at least ``8 WIDE_ROW`` entries is first laid ``r`` rows side by side,
+    ``(..., rows / r, r Dv)`` (a view: each block of rows is contiguous), so that NumPy's
+    reduction over the leading axes runs along rows of about ``WIDE_ROW`` entries rather than
+    ``Dv`` (see :mod:`sdpa.tuning`); a smaller block is reduced as it is, in fewer calls.
     """
     if not out.size:
         return
     rows, Dv = out.shape[-2:]
-    r = math.gcd(rows, max(1, WIDE_ROW // Dv))
+    r = math.gcd(rows, max(1, WIDE_ROW // Dv)) if rows * Dv >= 8 * WIDE_ROW else 1
     wide = out.reshape(*out.shape[:-2], rows // r, r * Dv)
     axes = tuple(range(wide.ndim - 1))
-    np.maximum(top, np.max(wide, axis=axes).reshape(r, Dv).max(axis=0), out=top)
-    np.maximum(top, -np.min(wide, axis=axes).reshape(r, Dv).min(axis=0), out=top)
+    high, low = np.maximum.reduce(wide, axis=axes), np.minimum.reduce(wide, axis=axes)
+    if r > 1:
+        high, low = np.maximum.reduce(high.reshape(r, Dv)), np.minimum.reduce(low.reshape(r, Dv))
+    np.maximum(top, high, out=top)
+    np.maximum(top, -low, out=top)
 
 
 def restore_scale(out: np.ndarray, v_exp: np.ndarray | None, top: np.ndarray) -> None:

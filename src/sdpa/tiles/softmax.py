@@ -231,13 +231,17 @@ class OnlineSoftmax:
         l, alpha = self.l, 1
         if sinks is not None:
             m, l, alpha = add_sinks(m, l, sinks)
-        empty = l == 0  # NaN is not empty: it stays NaN
-        inv = np.zeros(self.rows, dtype=l.dtype)
-        np.divide(alpha, l, out=inv, where=~empty)
+        if l.all():  # no empty row (NaN is not empty: it stays NaN), the common case
+            inv, lse = alpha / l, np.log(l)
+            lse += m
+        else:
+            empty = l == 0
+            inv = np.zeros(self.rows, dtype=l.dtype)
+            np.divide(alpha, l, out=inv, where=~empty)
+            lse = np.full(self.rows, -np.inf, dtype=l.dtype)
+            np.log(l, out=lse, where=~empty)
+            np.add(lse, m, out=lse, where=~empty)
         np.multiply(self.acc.reshape(out.shape), inv.reshape(*out.shape[:-1], 1), out=out)
-        lse = np.full(self.rows, -np.inf, dtype=l.dtype)
-        np.log(l, out=lse, where=~empty)
-        np.add(lse, m, out=lse, where=~empty)
         return lse, m, l
 
 
