@@ -173,7 +173,8 @@ VALUE_FLOOR_BITS = 64
 # 4096 entries, against 71 us as (1024, 64): about 1.5 ms of a 114 ms one-thread call at
 # 4 x 8 x 1024. Below 8 WIDE_ROW entries the extra calls cost more than they save: (64, 16) took
 # 13.5 us laid side by side, 8.9 as it is; (128, 64) 11.9 and 12.8.
-#: Entries per row of the reduction behind :func:`sdpa.tiles.ranges.widen_column_top`.
+#: Entries per row of the reduction that finds each value column's largest ``|out|`` in a
+#: unit's result (``widen_column_top`` of the engine's ``sdpa.tiles.ranges``).
 WIDE_ROW = 1024
 
 
