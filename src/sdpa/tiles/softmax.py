@@ -41,11 +41,12 @@ by ``finish()``.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import numpy as np
 
-from ..tuning import LAZY_MARGIN
+from ..tuning import LAZY_MARGIN, SCRATCH_BYTES
 
 __all__: list[str] = []
 
@@ -58,19 +59,62 @@ LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 LAZY_FLOOR = float(np.exp(-LAZY_MARGIN))
 
 
+class ScratchPool:
+    """Scratch buffers kept from one call to the next, up to ``max_bytes`` in all.
+
+    A worker's buffer of scores is megabytes (up to ``UNIT_SCORES`` entries); taken fresh from
+    the system at every call, each of its pages faults when first written. The pool keeps
+    the buffers its callers give back (the largest first, within ``max_bytes``) and hands out
+    the smallest one large enough. Its contents are never read: every piece writes its
+    scores before it reads them. Safe from any thread: concurrent calls take different
+    buffers.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int, dtype) -> np.ndarray:
+        """A flat array of ``n`` entries of ``dtype`` (a view of a kept buffer, or new)."""
+        dtype = np.dtype(dtype)
+        with self._lock:
+            fits = [
+                (b.size, i) for i, b in enumerate(self._free) if b.dtype == dtype and b.size >= n
+            ]
+            if fits:
+                return self._free.pop(min(fits)[1])[:n]
+        return np.empty(n, dtype)
+
+    def give(self, view: np.ndarray) -> None:
+        """Give back what :meth:`take` handed out; the pool keeps the largest buffers."""
+        buffer = view if view.base is None else view.base
+        with self._lock:
+            kept, total = [], 0
+            for b in sorted([*self._free, buffer], key=lambda b: -b.nbytes):
+                if total + b.nbytes <= self.max_bytes:
+                    kept.append(b)
+                    total += b.nbytes
+            self._free = kept
+
+
+SCRATCH = ScratchPool(SCRATCH_BYTES)  # the workers' buffers of scores
+
+
 class Workspace:
     """One worker thread's buffers, allocated once for the largest unit and piece of a plan.
 
     Each is flat and viewed at the size of the unit at hand, so a thread allocates nothing
     per piece: ``scores`` holds a piece's scores and then, in place, its terms
-    ``exp(s - m)``; ``tile_out`` and ``tile_l`` its products with the values and with ones;
-    ``acc``, ``l`` and ``m`` the running state; ``top`` the largest ``|out|`` of each value
-    column over the worker's units (:func:`sdpa.tiles.ranges.widen_column_top`).
+    ``exp(s - m)`` (taken from ``SCRATCH`` and given back by :meth:`release`); ``tile_out``
+    and ``tile_l`` its products with the values and with ones; ``acc``, ``l`` and ``m`` the
+    running state; ``top`` the largest ``|out|`` of each value column over the worker's units
+    (:func:`sdpa.tiles.ranges.widen_column_top`).
     """
 
     def __init__(self, rows: int, keys: int, Dv: int, dtype: np.dtype):
         self.dtype = dtype
-        self.scores = np.empty(rows * keys, dtype)
+        self.scores = SCRATCH.take(rows * keys, dtype)
         self.tile_out = np.empty(rows * Dv, dtype)
         self.tile_l = np.empty(rows, dtype)
         self.acc = np.empty(rows * Dv, dtype)
@@ -82,6 +126,12 @@ class Workspace:
     def scores_view(self, shape: tuple[int, ...]) -> np.ndarray:
         """The scores buffer viewed as ``shape`` (its entries at most the buffer's)."""
         return self.scores[: math.prod(shape)].reshape(shape)
+
+    def release(self) -> None:
+        """Give the scores buffer back to ``SCRATCH``: the worker computes nothing more."""
+        if self.scores is not None:
+            SCRATCH.give(self.scores)
+            self.scores = None
 
 
 def _zeros(buffer: np.ndarray, n: int) -> np.ndarray:

@@ -41,7 +41,8 @@ class Counts:
 def run_units(units: Sequence[tuple], workers: Sequence, stats=None) -> None:
     """Run ``worker.run(*unit)`` for every unit, the workers taking them in turn from the list.
 
-    Each worker has ``run`` and ``stats`` (a :class:`Counts`, added to ``stats`` at the end).
+    Each worker has ``run``, ``stats`` (a :class:`Counts`, added to ``stats`` at the end) and
+    ``space`` (a :class:`sdpa.tiles.softmax.Workspace`, released at the end, even on failure).
     Floating-point errors are silenced inside the units: the engine's arithmetic with
     ``-inf`` is deliberate (``exp(-inf) = 0``, ``m - m_new = -inf``), overflow is excluded up
     front or checked by the faces, and values out of range are found in the result.
@@ -61,11 +62,15 @@ def run_units(units: Sequence[tuple], workers: Sequence, stats=None) -> None:
             failed.append(True)
             raise
 
-    if len(workers) == 1:
-        with single_threaded_blas():  # BLAS's threads slow small products down, here too
-            drain(workers[0])
-    else:
-        run_in_threads([functools.partial(drain, w) for w in workers])
+    try:
+        if len(workers) == 1:
+            with single_threaded_blas():  # BLAS's threads slow small products down, here too
+                drain(workers[0])
+        else:
+            run_in_threads([functools.partial(drain, w) for w in workers])
+    finally:  # every thread has finished: their scratch buffers serve the next call
+        for w in workers:
+            w.space.release()
     if stats is not None:
         for w in workers:
             stats.add(w.stats)

@@ -19,10 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sdpa
 from sdpa.tiles.softmax import (
     LAZY_BOUND,
     LAZY_FLOOR,
+    SCRATCH,
     OnlineSoftmax,
+    ScratchPool,
     Workspace,
     add_sinks,
 )
@@ -418,3 +421,48 @@ def test_random_pieces_in_any_mix_of_steps_match_a_float64_softmax(case, base2, 
     want_out, want_lse = reference(scores, allowed, values, n, base2)
     np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=0)
+
+
+# -- the scratch pool -----------------------------------------------------------------------
+
+
+def test_the_pool_hands_out_the_smallest_kept_buffer_that_fits_of_the_dtype():
+    pool = ScratchPool(max_bytes=1 << 20)
+    first = pool.take(100, np.float32)  # nothing kept yet: a new array
+    assert first.shape == (100,) and first.dtype == np.float32 and first.base is None
+    small, large = np.empty(50, np.float32), np.empty(400, np.float32)
+    for buffer in (first, small, large):
+        pool.give(buffer)
+    view = pool.take(80, np.float32)  # 100 is the smallest of 50, 100, 400 that holds 80
+    assert view.shape == (80,) and view.base is first
+    assert pool.take(90, np.float64).base is None  # float32 buffers do not serve float64
+    assert pool.take(120, np.float32).base is large
+    assert pool.take(120, np.float32).base is None  # none left that fits
+    pool.give(view)  # a view goes back as its whole buffer
+    assert pool.take(100, np.float32).base is first
+
+
+def test_the_pool_keeps_the_largest_buffers_within_its_bytes():
+    pool = ScratchPool(max_bytes=1000)
+    a, b, c, huge = (np.empty(n, np.uint8) for n in (600, 300, 200, 1001))
+    for buffer in (b, huge, a, c):
+        pool.give(buffer)
+    kept = [pool.take(1, np.uint8).base for _ in range(3)]  # smallest first
+    assert kept == [b, a, None]  # 600 + 300 fit in 1000; 200 more would not; 1001 never
+
+
+def test_calls_leave_their_buffers_to_the_next_whose_results_never_read_them(rng):
+    # The tiled paths take their scores buffers from SCRATCH and give them back: filled with
+    # NaN in between, the next calls must return the same bits.
+    x = rng.standard_normal((2, 3, 300, 16)).astype(np.float32)
+    mask = sdpa.create_block_mask(lambda b, h, q, k: q >= k, None, None, 300, 300)
+    calls = [
+        lambda: sdpa.scaled_dot_product_attention(x, x, x, is_causal=True, implementation="tiled"),
+        lambda: sdpa.flex_attention(x, x, x, block_mask=mask, implementation="tiled"),
+    ]
+    for call in calls:
+        first = call()
+        assert SCRATCH._free, "the call gave its buffers back"
+        for buffer in SCRATCH._free:
+            buffer.view(np.uint8).fill(0xFF)  # NaN in every float dtype
+        np.testing.assert_array_equal(call(), first)

@@ -1,8 +1,9 @@
 """The worker loop of the tiled paths (sdpa.tiles.workers): every unit run once whatever the
 number of workers, the failure policy, the counters merged, the columns' largest ``|out|``.
 
-The workers here are small stand-ins with the interface the faces' workers have (``run`` and
-``stats``; ``space.top`` for :func:`column_top`), recording what they were given.
+The workers here are small stand-ins with the interface the faces' workers have (``run``,
+``stats`` and ``space``, released at the end; ``space.top`` for :func:`column_top`), recording
+what they were given.
 """
 
 from __future__ import annotations
@@ -25,12 +26,23 @@ class Tally(Counts):
     seconds: float = 0.0
 
 
+class Space:
+    """A worker's buffers: counts its releases."""
+
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
 class Recorder:
     """A worker that records its units (in a list shared by all) and counts them."""
 
     def __init__(self, ran: list, lock: threading.Lock, fail_at=None, pause=0.0):
         self.ran, self.lock, self.fail_at, self.pause = ran, lock, fail_at, pause
         self.stats = Tally()
+        self.space = Space()
 
     def run(self, index: int, keys: int) -> None:
         if self.pause:
@@ -57,6 +69,7 @@ def test_every_unit_runs_exactly_once(n_workers):
     assert sorted(ran) == list(range(57))
     assert stats.units == 57 and stats.keys == sum(k for _, k in units)
     assert sum(w.stats.units for w in workers) == 57  # each worker's own count is kept
+    assert [w.space.released for w in workers] == [1] * n_workers
 
 
 def test_no_units_and_no_stats():
@@ -71,6 +84,7 @@ def test_one_worker_stops_at_the_failing_unit():
     with pytest.raises(ValueError, match="unit 4 failed"):
         run_units([(i, 1) for i in range(20)], workers, stats)
     assert ran == [0, 1, 2, 3, 4]  # in order, and none after the failure
+    assert workers[0].space.released == 1  # its buffers go back all the same
 
 
 @pytest.mark.parametrize("n_workers", [2, 3, 4])
@@ -82,6 +96,9 @@ def test_a_failing_unit_stops_the_other_workers(n_workers):
 
     class Worker:
         stats = Tally()
+
+        def __init__(self):
+            self.space = Space()
 
         def run(self, index):
             with lock:
@@ -95,9 +112,11 @@ def test_a_failing_unit_stops_the_other_workers(n_workers):
             assert raised.wait(timeout=10)
             time.sleep(0.1)
 
+    workers = [Worker() for _ in range(n_workers)]
     with pytest.raises(ValueError, match="unit 0 failed"):
-        run_units([(i,) for i in range(50)], [Worker() for _ in range(n_workers)])
+        run_units([(i,) for i in range(50)], workers)
     assert sorted(ran) == list(range(n_workers))
+    assert [w.space.released for w in workers] == [1] * n_workers  # only once all have stopped
 
 
 def test_floating_point_errors_are_silenced_inside_units_only():
@@ -106,6 +125,7 @@ def test_floating_point_errors_are_silenced_inside_units_only():
 
     class Overflowing:
         stats = Tally()
+        space = Space()
 
         def run(self, x):
             seen.append(float(np.exp(np.float64(x))))  # would warn (an error under pytest)
