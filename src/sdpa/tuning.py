@@ -108,11 +108,12 @@ PLAN_CACHE_BYTES = 1 << 26
 
 # A worker's buffer of scores holds up to UNIT_SCORES entries (16 MiB of float32). Allocated at
 # every call and freed after it, its pages are new to the process each time and fault when first
-# written, which on a virtual machine costs as much as computing on them: flex_attention with a
-# causal block mask at 1 x 8 x 4096 (width 64, float32, two threads, Intel Xeon with AVX-512),
-# timed between calls of other shapes (medians of 9 interleaved rounds), took 157 ms with fresh
-# buffers and 135 ms when glibc was told to keep freed memory (MALLOC_TRIM_THRESHOLD_,
-# MALLOC_MMAP_THRESHOLD_); the dense causal call 127 and 125 ms.
+# written: flex_attention with a causal block mask at 1 x 8 x 4096 (width 64, float32, two
+# threads, Intel Xeon with AVX-512, a virtual machine), timed between calls of other shapes
+# (medians of 9 interleaved rounds), took 157 ms with fresh buffers, 135 ms when glibc was told
+# to keep freed memory (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_) and 135 ms with the
+# buffers kept here; the dense causal call 127 and 125 ms. 64 MiB keeps the buffers of four
+# workers of the largest units.
 #: Bytes of the workers' buffers of scores kept for the next call (:mod:`sdpa.tiles.softmax`).
 SCRATCH_BYTES = 1 << 26
 
