@@ -525,6 +525,7 @@ class _Worker:
         first, stop = key_block_range(t0, t1, plan.S, plan.block_k, *band)
         key_start, key_stop = band_keys(t0, t1, plan.S, *band)
         softmax = unit.softmax
+        checked_whole = False  # a single tile that every row met: checked after it already
         for b in range(first, stop):
             # The tile's keys, trimmed to the keys the band allows to some query of the block
             # (under a causal mask the last tile of a row of tiles stops at the diagonal).
@@ -545,10 +546,8 @@ class _Worker:
                 meeting = rows_meeting(t0, t1, s0, s1, *band)
                 if not softmax.sums_hold(meeting, unit.n * plan.G):
                     return False
-        if not at_zero:
-            return True
-        # A single tile that every row met has been checked whole already.
-        return (stop - first == 1 and meeting == slice(0, t1 - t0)) or softmax.sums_hold()
+                checked_whole = stop - first == 1 and meeting == slice(0, t1 - t0)
+        return not at_zero or checked_whole or softmax.sums_hold()
 
     def tile_disallowed(self, unit: _Unit, s0: int, s1: int):
         """``(n, G, bq, bk)`` bool, True where the tile's scores are disallowed; None if none is;
