@@ -66,7 +66,7 @@ from .flex_call import (
 from .problem import check_overflow, overflow_checked
 from .softmax_stable import softmax_and_lse
 from .threads import default_num_threads
-from .tiles.band import unmasked_rows
+from .tiles.band import unit_rows
 from .tiles.blocks import Piece, PlanCache, RowPlan, mask_row, plans_beside, row_plan, unit_list
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import LN2, LOG2E, OnlineSoftmax, Workspace
@@ -221,12 +221,12 @@ class _Tiling:
 
 def _blocks(call: FlexCall, block_k: int | None, num_threads=None) -> tuple[np.ndarray, int, int]:
     """``(kinds, block_q, block_kv)``: the block mask's, or without one every key block full,
-    in the dense path's units and tiles (:func:`sdpa.tiles.band.unmasked_rows`, ``BLOCK_K``)."""
+    in the dense path's units and tiles (:func:`sdpa.tiles.band.unit_rows`, ``BLOCK_K``)."""
     bm = call.block_mask
     if bm is not None:
         return bm.kinds, *bm.BLOCK_SIZE
     T, S = call.problem.T, call.problem.S
-    rows = unmasked_rows(call.dtype, T, call.G, call.B * call.Hkv, num_threads)
+    rows = unit_rows(call.dtype, T, call.G, call.B * call.Hkv, num_threads)
     block_q = max(1, rows // call.G)
     block_kv = min(_piece_keys(call, block_k), S)
     return (

@@ -84,13 +84,14 @@ from .tiles.band import (
     band_keys,
     heads_per_unit,
     key_block_range,
+    partial_rows,
     rows_meeting,
     tile_kind,
     tile_plan_sizes,
     unit_outer,
 )
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
-from .tiles.softmax import LOG2E, OnlineSoftmax, Workspace
+from .tiles.softmax import ALL, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
 from .tuning import FOLD_LIMIT, tile_exponential
 
@@ -399,78 +400,94 @@ class _Unit:
         rows = n * G * bq
         self.plan, self.space = plan, space
         self.o, self.t0, self.t1, self.rows, self.n = o, t0, t1, rows, n
-        self.k1 = None  # (n, S, Dk + 1), [k | 1], made once a shift is folded in
+        self.k1_t = None  # (n, Dk + 1, S), [k | 1] transposed, made once a shift is folded in
         self.allowed = None if plan.allowed is None else plan.allowed[o]  # (n, G, T, S)
         self.bias = None if plan.bias is None else plan.bias[o]  # (n, G, T, S)
         self.q_shifted = space.q_shifted[: rows * (Dk + 1)].reshape(n, G * bq, Dk + 1)
-        q_part = self.q_shifted.reshape(n, G, bq, Dk + 1)[..., :Dk]
-        np.multiply(plan.q[o][:, :, t0:t1, :], plan.scale, out=q_part)
-        self.folded.fill(0)
+        self.q_heads = self.q_shifted.reshape(n, G, bq, Dk + 1)  # a view per folded head
+        np.multiply(plan.q[o][:, :, t0:t1, :], plan.scale, out=self.q_heads[..., :Dk])
+        self.k_t = self.k.transpose(0, 2, 1)  # (n, Dk, S): the keys as the product takes them
+        self.q_shifted[..., Dk] = 0  # -m of the rows whose shift is folded in, else 0
         self.any_folded = False  # while no shift is folded in, the keys need no column of ones
         self.unfolded = space.unfolded[:rows]
         self.unfolded.fill(0)
         self.any_unfolded = False
-        self.softmax = OnlineSoftmax(space, rows, plan.Dv, plan.exp, plan.base2, at_zero)
+        self.softmax = OnlineSoftmax(
+            space, rows, plan.Dv, plan.exp, plan.base2, at_zero, groups=n * G
+        )
 
-    @property
-    def folded(self) -> np.ndarray:
-        """``(n, G bq)``: ``-m`` for the rows whose shift is folded in, else 0."""
-        return self.q_shifted[..., -1]
+    def shift_columns(self, run: slice) -> tuple[np.ndarray, np.ndarray]:
+        """``(folded, unfolded)`` of the rows ``run`` of each folded head, ``(n G, r)`` views:
+        ``-m`` where a row's shift is folded into ``q_shifted`` (its last column), else 0;
+        ``m`` where it is subtracted after the product instead, else 0."""
+        groups, bq = self.n * self.plan.G, self.t1 - self.t0
+        folded = self.q_heads.reshape(groups, bq, -1)[:, run, -1]
+        return folded, self.unfolded.reshape(groups, bq)[:, run]
 
-    def scores(self, s0: int, s1: int) -> np.ndarray:
-        """The scores buffer viewed as the tile ``(n, G, bq, s1 - s0)``."""
-        return self.space.scores_view((self.n, self.plan.G, self.t1 - self.t0, s1 - s0))
+    def scores(self, s0: int, s1: int, r: int) -> np.ndarray:
+        """The scores buffer viewed as the tile ``(n, G, r, s1 - s0)`` of ``r`` rows per head."""
+        n, G = self.n, self.plan.G
+        return self.space.scores[: n * G * r * (s1 - s0)].reshape(n, G, r, s1 - s0)
 
-    def lazy_step(self, s0: int, s1: int, disallowed) -> bool:
-        """Add the tile at the present shifts (the engine's lazy step); False if not exact."""
-        scores = self.scores(s0, s1)
-        self.shifted_scores(scores, s0, s1, None, self.unfolded if self.any_unfolded else None)
-        return self.softmax.lazy_step(scores, self.v[:, s0:s1], disallowed)
+    def lazy_step(self, s0: int, s1: int, run: slice, disallowed, masked: slice) -> bool:
+        """Add the keys ``s0:s1`` to the rows ``run`` at their present shifts (the engine's
+        lazy step); False if not exact."""
+        scores = self.scores(s0, s1, run.stop - run.start)
+        self.shifted_scores(scores, s0, s1, run, folded=True)
+        return self.softmax.lazy_step(scores, self.v[:, s0:s1], disallowed, run, masked)
 
-    def exact_step(self, s0: int, s1: int, disallowed) -> None:
+    def exact_step(self, s0: int, s1: int, run: slice, disallowed, masked: slice) -> None:
         """The engine's exact step on the raw scores (nothing folded in, so in base e they are
-        rounded exactly as the reference path rounds them); then the new shifts are folded
-        into ``q_shifted`` for the rows where that is exact and kept in ``unfolded`` for the
-        others."""
-        plan, scores = self.plan, self.scores(s0, s1)
-        self.folded.fill(0)
-        self.any_folded = False
-        self.shifted_scores(scores, s0, s1, disallowed, None, check=plan.may_overflow)
-        self.softmax.exact_step(scores, self.v[:, s0:s1], masked=disallowed is not None)
-        m = self.softmax.m
+        rounded exactly as the reference path rounds them); then the new shifts of the rows
+        ``run`` are folded into ``q_shifted`` where that is exact and kept in ``unfolded``
+        for the others."""
+        plan, scores = self.plan, self.scores(s0, s1, run.stop - run.start)
+        self.shifted_scores(scores, s0, s1, run, False, disallowed, masked, plan.may_overflow)
+        self.softmax.exact_step(scores, self.v[:, s0:s1], disallowed is not None, run)
+        m = self.softmax.state(run)[0]
         small = np.abs(m) <= plan.fold_limit  # rows whose shift can be folded in exactly
-        folded = self.folded  # (n, G bq): the last column of q_shifted
-        np.negative(m.reshape(folded.shape), out=folded)
-        folded[~small.reshape(folded.shape)] = 0
-        self.any_folded = bool(small.any())
-        self.any_unfolded = not small.all()
-        np.copyto(self.unfolded, m)
-        self.unfolded[small] = 0
+        folded, unfolded = self.shift_columns(run)
+        np.copyto(folded, np.where(small, -m, 0))
+        np.copyto(unfolded, np.where(small, 0, m))
+        whole = run.stop - run.start == self.t1 - self.t0
+        self.any_folded = bool(small.any()) or (self.any_folded and not whole)
+        self.any_unfolded = bool(self.unfolded.any())
 
-    def shifted_scores(self, scores, s0, s1, disallowed, unfolded, check=False) -> None:
-        """``scores = scale * q k^T - folded + bias - unfolded`` on one tile ``(n, G, bq, bk)``
-        (each row's shift ``m`` is in ``folded`` or in ``unfolded``), disallowed entries set
-        to ``-inf``. With ``check``, the raw scores are checked for overflow first."""
-        flat = scores.reshape(self.n, -1, s1 - s0)  # (n, G bq, bk)
-        if self.any_folded:
-            if self.k1 is None:
-                self.k1 = self.space.keys_with_ones(self.k)
-            keys = np.swapaxes(self.k1[:, s0:s1], -1, -2)  # (n, Dk + 1, bk)
-            np.matmul(self.q_shifted, keys, out=flat)  # (n, G bq, Dk + 1) @ (n, Dk + 1, bk)
+    def shifted_scores(
+        self, scores, s0, s1, run, folded, disallowed=None, masked=ALL, check=False
+    ) -> None:
+        """``scores = scale * q k^T + bias`` on the tile ``(n, G, r, bk)`` of the keys ``s0:s1``
+        and the rows ``run``, less each row's shift ``m`` if ``folded`` (``m`` is folded into
+        the product or subtracted after it), disallowed entries (of the rows ``masked`` of the
+        run) set to ``-inf``. With ``check``, the raw scores are checked for overflow first."""
+        n, G, r, bk = scores.shape
+        if folded and self.any_folded:
+            if self.k1_t is None:
+                self.k1_t = self.space.keys_with_ones(self.k).transpose(0, 2, 1)
+            q, keys = self.q_shifted, self.k1_t[:, :, s0:s1]  # (n, Dk + 1, bk)
         else:
-            keys = np.swapaxes(self.k[:, s0:s1], -1, -2)  # (n, Dk, bk)
-            np.matmul(self.q_shifted[..., :-1], keys, out=flat)  # (n, G bq, Dk) @ (n, Dk, bk)
-        bias = None if self.bias is None else self.bias[:, :, self.t0 : self.t1, s0:s1]
+            q, keys = self.q_shifted[..., :-1], self.k_t[:, :, s0:s1]
+        if r == self.t1 - self.t0:  # (n, G bq, Dk [+ 1]) @ (n, Dk [+ 1], bk): one per key head
+            np.matmul(q, keys, out=scores.reshape(n, G * r, bk))
+        else:  # the run's rows of each head: (n, G, r, Dk [+ 1]) @ (n, 1, Dk [+ 1], bk)
+            q = self.q_heads if q is self.q_shifted else self.q_heads[..., :-1]
+            np.matmul(q[:, :, run], keys[:, None], out=scores)
+        t0, t1 = self.t0 + run.start, self.t0 + run.stop
+        bias = None if self.bias is None else self.bias[:, :, t0:t1, s0:s1]
         if bias is not None:
             np.add(scores, bias, out=scores)
-        if unfolded is not None:
-            rows = scores.reshape(self.rows, -1)
-            np.subtract(rows, unfolded[:, None], out=rows)
+        if folded and self.any_unfolded:
+            unfolded = self.shift_columns(run)[1]  # (n G, r)
+            rows = scores.reshape(n * G, r, bk)
+            np.subtract(rows, unfolded[..., None], out=rows)
         if check:
-            allowed = None if disallowed is None else ~disallowed
+            allowed = None
+            if disallowed is not None:  # the rows of the run outside `masked` are all allowed
+                allowed = np.ones(scores.shape, dtype=bool)
+                np.logical_not(disallowed, out=allowed[..., masked, :])
             check_overflow(self.plan.problem, scores, allowed, bias)
         if disallowed is not None:
-            np.copyto(scores, -np.inf, where=disallowed)
+            np.copyto(scores[..., masked, :], -np.inf, where=disallowed)
 
     def write_result(self) -> None:
         """The engine's finish (sinks included) into the plan's ``out``, ``lse``, ``m``, ``l``."""
@@ -498,7 +515,7 @@ class _Worker:
         self.plan = plan
         self.space = _Space(plan)
         self.stats = TileStats()  # this worker's counts (units and skipped_band: the caller's)
-        self.band = BandTiles(plan.offset, plan.lo, plan.hi)
+        self.band = BandTiles(plan.offset, plan.lo, plan.hi, plan.dtype)
 
     def run(self, o: tuple, t0: int, t1: int) -> None:
         """Attention for the query rows ``t0:t1`` of every folded head at outer index ``o``.
@@ -516,53 +533,66 @@ class _Worker:
         unit.write_result()
 
     def walk(self, unit: _Unit, at_zero: bool) -> bool:
-        """Add up the unit's key tiles; False when a unit started ``at_zero`` must be redone:
-        a row's sum ``l`` is below ``LAZY_FLOOR`` at the end, or already after the first tile
-        for a row that met a key there (so scores far below zero waste one tile, not the
-        whole walk)."""
+        """Add up the unit's pieces of keys; False when a unit started ``at_zero`` must be
+        redone: a row's sum ``l`` is below ``LAZY_FLOOR`` at the end, or already after the
+        first piece for a row that met a key there (so scores far below zero waste one piece,
+        not the whole walk)."""
         plan, stats, t0, t1 = self.plan, self.stats, unit.t0, unit.t1
         band = (plan.offset, plan.lo, plan.hi)
         first, stop = key_block_range(t0, t1, plan.S, plan.block_k, *band)
         key_start, key_stop = band_keys(t0, t1, plan.S, *band)
         softmax = unit.softmax
-        checked_whole = False  # a single tile that every row met: checked after it already
+        checked_whole = False  # a single piece that every row met: checked after it already
         for b in range(first, stop):
-            # The tile's keys, trimmed to the keys the band allows to some query of the block
-            # (under a causal mask the last tile of a row of tiles stops at the diagonal).
+            # The piece's keys, trimmed to the keys the band allows to some query of the block
+            # (under a causal mask the last piece of a row of pieces stops at the diagonal),
+            # and its rows: those the band allows one of its keys at least.
             s0 = max(b * plan.block_k, key_start)
             s1 = min((b + 1) * plan.block_k, key_stop)
-            disallowed = self.tile_disallowed(unit, s0, s1)
+            run = rows_meeting(t0, t1, s0, s1, *band)
+            disallowed, weights, masked = self.piece_disallowed(unit, s0, s1, run)
             if disallowed is _EVERY_KEY:
                 stats.skipped_mask += unit.n  # the tile of each of the unit's heads
                 continue
             stats.computed += unit.n
             stats.steps += 1
-            lazy = softmax.all_started and not plan.may_overflow
-            if not (lazy and unit.lazy_step(s0, s1, disallowed)):
+            lazy = softmax.started_in(run) and not plan.may_overflow
+            if not (lazy and unit.lazy_step(s0, s1, run, weights, masked)):
                 stats.retried += lazy * unit.n
                 stats.rescaled += unit.n
-                unit.exact_step(s0, s1, disallowed)
+                unit.exact_step(s0, s1, run, disallowed, masked)
             if at_zero and b == first:
-                meeting = rows_meeting(t0, t1, s0, s1, *band)
-                if not softmax.sums_hold(meeting, unit.n * plan.G):
+                if not softmax.sums_hold(run):
                     return False
-                checked_whole = stop - first == 1 and meeting == slice(0, t1 - t0)
+                checked_whole = stop - first == 1 and run == slice(0, t1 - t0)
         return not at_zero or checked_whole or softmax.sums_hold()
 
-    def tile_disallowed(self, unit: _Unit, s0: int, s1: int):
-        """``(n, G, bq, bk)`` bool, True where the tile's scores are disallowed; None if none is;
-        ``_EVERY_KEY`` if the user's mask disallows the whole tile (it is then skipped)."""
-        plan, t0, t1 = self.plan, unit.t0, unit.t1
-        kind = tile_kind(t0, t1, s0, s1, plan.offset, plan.lo, plan.hi)
+    def piece_disallowed(self, unit: _Unit, s0: int, s1: int, run: slice):
+        """``(disallowed, weights, masked)`` of the piece of keys ``s0:s1`` and rows ``run``:
+        a bool array, True where the scores of the rows ``masked`` (a slice of the run) are
+        disallowed (``(masked rows, bk)`` for the band alone, ``(n, G, r, bk)`` with the
+        user's mask), None if none is, ``_EVERY_KEY`` if the user's mask disallows the whole
+        piece (it is then skipped); and what the lazy step drops the disallowed terms by: the
+        band's weights (:class:`sdpa.tiles.band.BandTiles`), else ``disallowed``."""
+        plan, t0 = self.plan, unit.t0
+        r0, r1 = t0 + run.start, t0 + run.stop
+        band = (plan.offset, plan.lo, plan.hi)
+        kind = tile_kind(r0, r1, s0, s1, *band)
         assert kind != EMPTY, "the key-block range holds only tiles the band touches"
         if unit.allowed is None:
-            return self.band.disallowed(t0, t1, s0, s1) if kind == PARTIAL else None
-        disallowed = self.space.disallowed[: unit.rows * (s1 - s0)]
-        disallowed = disallowed.reshape(unit.n, plan.G, t1 - t0, s1 - s0)
-        np.logical_not(unit.allowed[:, :, t0:t1, s0:s1], out=disallowed)
+            if kind != PARTIAL:
+                return None, None, ALL
+            masked = partial_rows(t0, s0, s1, run, *band)  # the rows the band's edge crosses
+            return *self.band.tiles(r0 + masked.start, r0 + masked.stop, s0, s1), masked
+        r = run.stop - run.start
+        disallowed = self.space.disallowed[: unit.n * plan.G * r * (s1 - s0)]
+        disallowed = disallowed.reshape(unit.n, plan.G, r, s1 - s0)
+        np.logical_not(unit.allowed[:, :, r0:r1, s0:s1], out=disallowed)
         if kind == PARTIAL:
-            np.logical_or(disallowed, self.band.disallowed(t0, t1, s0, s1), out=disallowed)
-        return _EVERY_KEY if disallowed.all() else disallowed
+            np.logical_or(disallowed, self.band.disallowed(r0, r1, s0, s1), out=disallowed)
+        if disallowed.all():
+            return _EVERY_KEY, None, ALL
+        return disallowed, disallowed, ALL
 
 
 def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.ndarray:

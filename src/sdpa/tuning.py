@@ -24,6 +24,7 @@ __all__ = [
     "BACKWARD_BLOCK_K",
     "BACKWARD_BLOCK_Q",
     "BLOCK_K",
+    "BLOCK_K_BAND",
     "BLOCK_ROWS",
     "BLOCK_ROWS_FULL",
     "FOLD_LIMIT",
@@ -60,6 +61,14 @@ BLOCK_ROWS = MappingProxyType({_F32: 256, _F64: 256})
 BLOCK_ROWS_FULL = MappingProxyType({_F32: 1024, _F64: 1024})
 #: Keys per tile, by working dtype.
 BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
+
+# Under a causal mask or a window a unit's piece of keys computes only the rows those keys are
+# allowed to (sdpa.tiles.band.rows_meeting): along the diagonal a causal unit walks a
+# triangle, one strip of BLOCK_K_BAND keys at a time, each strip as tall as the rows at and
+# below it, so the narrower the strips the less of the masked triangle is computed (half a
+# strip's square per strip), and the more NumPy calls. MEASURED_LATER
+#: Keys per tile under a causal mask or a window, by working dtype.
+BLOCK_K_BAND = MappingProxyType({_F32: 256, _F64: 256})
 
 # Short rows (decoding: a few query rows per head) make short units, whose Python between
 # NumPy's calls holds the GIL: the dense path folds several heads into one unit, its products

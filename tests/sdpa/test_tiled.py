@@ -1035,3 +1035,78 @@ def test_tile_sizes_are_clipped_to_the_problem():
     assert_same((out, lse), reference(q, k, v))
     problem = prepare_attention(q, k, v)
     assert tiled_module.tile_plan_sizes(problem, 10**9, 10**9)[1:] == (3, 5)
+
+
+class CountingExp:
+    """The tiles' exponential (``numpy.exp``, so the scores are in base e), counting the scores
+    each piece computed: its rows and keys."""
+
+    def __init__(self):
+        self.pieces = []
+
+    def __call__(self, x, out=None):
+        self.pieces.append(x.shape[-2:])
+        return np.exp(x, out=out)
+
+
+@pytest.mark.parametrize(
+    "kw, block_k, pieces",
+    [
+        # Causal, one unit of 64 rows, pieces of 16 keys: the piece of keys 16b:16(b+1) meets
+        # the rows from 16b on, 64 - 16b of them; 160 x 16 scores rather than 64 x 64.
+        (dict(is_causal=True), 16, [(64, 16), (48, 16), (32, 16), (16, 16)]),
+        # Window (10, 0), query i sees keys i - 10 .. i: keys 0:16 meet rows 0:26, keys 16:32
+        # rows 16:42, keys 32:48 rows 32:58, keys 48:64 rows 48:64.
+        (dict(window=(10, 0)), 16, [(26, 16), (26, 16), (26, 16), (16, 16)]),
+        # Causal, bottom-right aligned with 32 queries over 64 keys (query i sees keys up to
+        # i + 32): keys 0:32 meet every row, keys 32:48 the rows 0:32 too, keys 48:64 rows 16:32.
+        (dict(is_causal=True, causal_alignment="bottom_right", t=32), 16,
+         [(32, 16), (32, 16), (32, 16), (16, 16)]),
+    ],
+)
+def test_a_piece_computes_only_the_rows_its_keys_are_allowed_to(rng, kw, block_k, pieces):
+    t = kw.pop("t", 64)
+    q, k, v = rng.standard_normal((t, 8)), rng.standard_normal((64, 8)), rng.standard_normal((64, 3))
+    exp = CountingExp()
+    problem = prepare_attention(q, k, v, **kw)
+    out, lse = attention_tiled(problem, block_q=64, block_k=block_k, exp=exp, num_threads=1)
+    assert exp.pieces == pieces
+    assert_same((out, lse), reference(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("G", [1, 4])
+@pytest.mark.parametrize("n_heads", [1, 3])
+def test_strips_of_folded_heads_with_a_mask_and_sinks(rng, G, n_heads):
+    # Pieces meeting a run of rows, with G query heads folded over each key head and units of
+    # several heads: the run is the same rows of every folded head. A boolean mask, a window and
+    # sinks on top; the first rows of each head meet no key of the mask (fully masked rows).
+    hq, T_, S_ = n_heads * G, 40, 45
+    q = rng.standard_normal((2, hq, T_, 8))
+    k, v = rng.standard_normal((2, n_heads, S_, 8)), rng.standard_normal((2, n_heads, S_, 5))
+    mask = rng.random((2, hq, T_, S_)) < 0.7
+    mask[:, :, :3] = False
+    sinks = rng.standard_normal((hq, 1))  # a logit per head
+    kw = dict(window=(12, 2), enable_gqa=True, sinks=sinks)
+    want = reference(q, k, v, mask, **kw)
+    for block_q, block_k in [(40, 8), (13, 5), (7, 45)]:
+        problem = prepare_attention(q, k, v, mask, **kw)
+        out, lse = attention_tiled(problem, block_q=block_q, block_k=block_k)
+        assert_same(problem.finish(out, lse=lse), want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_causal_unit_redone_from_the_exact_step_covers_every_strip(rng, dtype):
+    # Rows whose scores all lie far below 0 fail the shift 0 after the first piece; the unit is
+    # walked again from the exact step, each later piece meeting fewer rows. Rows 40 on have
+    # scores of size 1, rows before them about -60.
+    q, k, v = (rng.standard_normal((64, 4)) for _ in range(3))
+    k[:, 0] = 1.0
+    q[:40, 0] = -120.0  # scale 1/2: scores about -60
+    stats = TileStats()
+    problem = prepare_attention(*(a.astype(dtype) for a in (q, k, v)), is_causal=True)
+    out, lse = attention_tiled(problem, block_q=64, block_k=16, stats=stats)
+    assert (stats.units, stats.redone) == (1, 1)
+    want_out, _, want_lse = attention_loop_2d(q, k, v, np.tril(np.ones((64, 64), bool)))
+    rtol = max(TOL[dtype]["rtol"], 2 * np.finfo(dtype).eps * 60)
+    np.testing.assert_allclose(out, want_out, rtol=rtol, atol=TOL[dtype]["atol"])
+    np.testing.assert_allclose(lse, want_lse, rtol=TOL[dtype]["rtol"])

@@ -18,7 +18,7 @@ import numpy as np
 from ..block_mask import EMPTY, FULL, PARTIAL
 from ..problem import AttentionProblem
 from ..threads import default_num_threads
-from ..tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL, SHORT_CALL_SCORES
+from ..tuning import BLOCK_K, BLOCK_K_BAND, BLOCK_ROWS, BLOCK_ROWS_FULL, SHORT_CALL_SCORES
 from .blocks import key_heads_per_unit
 
 __all__: list[str] = []
@@ -61,30 +61,64 @@ def rows_meeting(t0: int, t1: int, s0: int, s1: int, offset: int, lo, hi) -> sli
     return slice(first, max(first, stop))
 
 
-class BandTiles:
-    """Boolean tiles, True where the band disallows, cached by their geometry (a causal call
-    meets the same few diagonal tiles in every unit). One per worker thread."""
+def partial_rows(t0: int, s0: int, s1: int, run: slice, offset: int, lo, hi) -> slice:
+    """The rows of ``run`` (rows of the queries from ``t0``, meeting keys ``s0:s1``) that the
+    band's edge crosses, as a slice of the run: one run of rows holding every row that some
+    key of ``s0:s1`` is outside the band of (all of ``run`` when the band's full rows lie
+    strictly inside it, as a window's may)."""
+    a, b = run.start, run.stop
+    full_from = -(10**18) if hi is None else s1 - 1 - offset - hi - t0  # i + o + hi >= s1 - 1
+    full_to = 10**18 if lo is None else s0 - offset - lo - t0 + 1  # i + o + lo <= s0
+    f0, f1 = max(a, full_from), min(b, full_to)
+    if f0 >= f1:  # no full row
+        first, stop = a, b
+    elif f0 == a:  # the full rows come first
+        first, stop = f1, b
+    elif f1 == b:  # ... or last
+        first, stop = a, f0
+    else:
+        first, stop = a, b
+    return slice(first - a, max(first, stop) - a)
 
-    def __init__(self, offset: int, lo, hi):
-        self.offset, self.lo, self.hi = offset, lo, hi
+
+class BandTiles:
+    """The band's masks of tiles, cached by their geometry (a causal call meets the same few
+    diagonal tiles in every unit). One per worker thread.
+
+    Each comes twice: as bools, True where the band disallows (for the exact step, which sets
+    those scores to ``-inf``), and as weights of the working ``dtype``, 0 there and 1 elsewhere
+    (for the lazy step, which multiplies its terms by them: a third of the time of setting
+    them to 0 where a bool mask says).
+    """
+
+    def __init__(self, offset: int, lo, hi, dtype):
+        self.offset, self.lo, self.hi, self.dtype = offset, lo, hi, dtype
         self.cache: dict = {}
 
     def disallowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
         """``(t1 - t0, s1 - s0)`` bool: the band's mask of queries ``t0:t1``, keys ``s0:s1``."""
+        return self.tiles(t0, t1, s0, s1)[0]
+
+    def tiles(self, t0: int, t1: int, s0: int, s1: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(disallowed, weights)`` of queries ``t0:t1`` and keys ``s0:s1``, both
+        ``(t1 - t0, s1 - s0)``: bools, True where the band disallows, and ``~disallowed`` in
+        the working dtype."""
         key = (s0 - t0, t1 - t0, s1 - s0)
-        tile = self.cache.get(key)
-        if tile is None:
+        tiles = self.cache.get(key)
+        if tiles is None:
             diff = np.arange(s0, s1)[None, :] - (np.arange(t0, t1)[:, None] + self.offset)
             tile = np.zeros(diff.shape, dtype=bool)
             if self.lo is not None:
                 tile |= diff < self.lo
             if self.hi is not None:
                 tile |= diff > self.hi
-            tile.flags.writeable = False  # shared by the worker's units: read, never written
+            weights = (~tile).astype(self.dtype)
+            for a in (tile, weights):  # shared by the worker's units: read, never written
+                a.flags.writeable = False
             if len(self.cache) > 64:
                 self.cache.clear()
-            self.cache[key] = tile
-        return tile
+            tiles = self.cache[key] = (tile, weights)
+        return tiles
 
 
 def fold_axis(problem: AttentionProblem) -> bool:
@@ -109,30 +143,36 @@ def tile_plan_sizes(
 
     The last batch axis is folded into the query rows when keys and values do not vary along
     it (``G`` of its heads share one key tile); both tile sizes are clipped to the problem's
-    ``T`` and ``S``; ``block_q`` defaults to about ``BLOCK_ROWS`` rows after folding,
-    ``block_k`` to ``BLOCK_K``. Without a band (no causal mask, no window) the rows go up to
-    ``BLOCK_ROWS_FULL``, as long as the ``num_threads`` threads (default
-    :func:`sdpa.threads.default_num_threads`) still get a work unit each.
+    ``T`` and ``S``. ``block_q`` defaults to up to ``BLOCK_ROWS_FULL`` rows after folding (long
+    units cost less per score), at least ``BLOCK_ROWS``, and fewer while the units would leave
+    one of the ``num_threads`` threads (default :func:`sdpa.threads.default_num_threads`)
+    without work: one unit per thread without a band, two under a causal mask or a window,
+    whose units differ in length. ``block_k`` defaults to ``BLOCK_K``, or ``BLOCK_K_BAND``
+    under a band: a unit's piece meets only the rows its keys are allowed to (a causal piece,
+    the rows at and below the diagonal), so narrower pieces follow the diagonal closer.
     """
     G = problem.batch_shape[-1] if fold_axis(problem) else 1
+    banded = problem.band != (None, None)
     if block_q is None:
-        rows = BLOCK_ROWS.get(problem.work_dtype, 128)
-        if problem.band == (None, None):
-            outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // G
-            rows = unmasked_rows(problem.work_dtype, problem.T, G, outer, num_threads)
+        outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // G
+        per_thread = 2 if banded else 1
+        rows = unit_rows(problem.work_dtype, problem.T, G, outer, num_threads, per_thread)
         block_q = max(1, rows // G)
     if block_k is None:
-        block_k = BLOCK_K.get(problem.work_dtype, 512)
+        block_k = (BLOCK_K_BAND if banded else BLOCK_K).get(problem.work_dtype, 512)
     # Never larger than the problem: the workers' buffers are sized by the tiles.
     return G, int(min(block_q, max(problem.T, 1))), int(min(block_k, max(problem.S, 1)))
 
 
-def unmasked_rows(dtype: np.dtype, T: int, G: int, outer: int, num_threads: int | None) -> int:
-    """Query rows of a unit (the ``G`` folded heads' rows counted) when no mask limits the keys:
-    up to ``BLOCK_ROWS_FULL`` (longer tiles cost less per score), at least ``BLOCK_ROWS``, and
-    fewer when the ``outer`` units of whole heads would leave a thread without one."""
+def unit_rows(
+    dtype: np.dtype, T: int, G: int, outer: int, num_threads: int | None, per_thread: int = 1
+) -> int:
+    """Query rows of a unit (the ``G`` folded heads' rows counted): up to ``BLOCK_ROWS_FULL``
+    (longer tiles cost less per score), at least ``BLOCK_ROWS``, and fewer when the ``outer``
+    units of whole heads would leave a thread fewer than ``per_thread`` units."""
     rows = BLOCK_ROWS.get(dtype, 128)
-    blocks = -(-(num_threads or default_num_threads()) // max(outer, 1))  # per head
+    threads = num_threads or default_num_threads()
+    blocks = -(-threads * per_thread // max(outer, 1))  # per head
     rows_per_block = G * -(-T // blocks)  # the rows, split into `blocks`
     return max(rows, min(BLOCK_ROWS_FULL.get(dtype, rows), rows_per_block))
 
@@ -149,9 +189,9 @@ def heads_per_unit(
       ``SHORT_CALL_SCORES`` scores, else as many as leave each of the ``num_threads`` threads
       one unit, within ``BLOCK_ROWS_FULL`` rows (many heads of a few keys each stay apart:
       one short tile each, where the reference path's batched products are the faster);
-    * under a causal mask or a window, whose units are blocks of rows of varying length: as
-      flex folds key heads (``key_heads_per_unit``: within ``UNIT_SCORES`` scores, leaving
-      ``MIN_UNITS`` units);
+    * under a causal mask or a window, whose pieces are narrower (``BLOCK_K_BAND``) and so
+      more: as flex folds key heads (``key_heads_per_unit``: within ``UNIT_SCORES`` scores,
+      leaving ``MIN_UNITS`` units);
     * otherwise one: the units are long already.
 
     Depends on the shapes (and the thread count) alone.

@@ -58,6 +58,8 @@ LN2 = math.log(2)
 LAZY_BOUND = float(np.exp(LAZY_MARGIN))
 LAZY_FLOOR = float(np.exp(-LAZY_MARGIN))
 
+ALL = slice(None)  # every row of a unit
+
 
 class ScratchPool:
     """Scratch buffers kept from one call to the next, up to ``max_bytes`` in all.
@@ -159,28 +161,49 @@ class OnlineSoftmax:
         Whether the scores (and so ``m``) are in base 2.
     at_zero : bool
         Start every row at the shift 0 (see :meth:`sums_hold`).
+    groups : int, default 1
+        The rows are ``groups`` equal blocks one under the other (the folded heads, each
+        ``rows / groups`` query rows long). A step may add a piece to a *run* of rows only,
+        the same run of each block (``run``, a slice of ``range(rows / groups)``): a causal
+        piece meets only the rows at or below the diagonal.
     """
 
-    def __init__(self, space: Workspace, rows: int, Dv: int, exp: Callable, base2: bool, at_zero):
+    def __init__(
+        self,
+        space: Workspace,
+        rows: int,
+        Dv: int,
+        exp: Callable,
+        base2: bool,
+        at_zero,
+        groups: int = 1,
+    ):
         self.space, self.rows, self.Dv = space, rows, Dv
         self.exp, self.base2 = exp, base2
         self.base_exp = np.exp2 if base2 else np.exp  # the true exponential of the base
+        self.groups, self.length = groups, rows // groups
         self.m = _zeros(space.m, rows)
         self.l = _zeros(space.l, rows)
         self.acc = _zeros(space.acc, rows * Dv).reshape(rows, Dv)
         self.started = np.full(rows, bool(at_zero))  # rows whose shift m is set
         self.all_started = bool(at_zero)
         self.moved = False  # whether an exact step has moved a shift (else every m is 0)
+        n = self.length  # the same state, a block of rows per group
+        self.by_group = (
+            self.m.reshape(groups, n),
+            self.l.reshape(groups, n),
+            self.acc.reshape(groups, n, Dv),
+            self.started.reshape(groups, n),
+        )
 
-    @property
-    def tile_out(self) -> np.ndarray:
-        """``(rows, Dv)``: one piece's ``exp(s - m) @ v``."""
-        return self.space.tile_out[: self.rows * self.Dv].reshape(self.rows, self.Dv)
+    def state(self, run: slice) -> tuple[np.ndarray, ...]:
+        """Views ``(m, l, acc, started)`` of the rows ``run`` of every group: ``(groups, r)``
+        and, for ``acc``, ``(groups, r, Dv)``."""
+        return tuple(a[:, run] for a in self.by_group)
 
-    @property
-    def tile_l(self) -> np.ndarray:
-        """``(rows,)``: one piece's row sums ``exp(s - m) @ 1``."""
-        return self.space.tile_l[: self.rows]
+    def started_in(self, run: slice = ALL) -> bool:
+        """Whether every row of ``run`` (of every group) has its shift set."""
+        return self.all_started or bool(self.state(run)[3].all())
 
     def subtract_shift(self, s: np.ndarray) -> None:
         """``s -= m`` row by row, for a face that does not fold the shift into its product;
@@ -188,66 +211,84 @@ class OnlineSoftmax:
         s2 = s.reshape(self.rows, -1)
         np.subtract(s2, self.m[:, None], out=s2)
 
-    def lazy_step(self, p: np.ndarray, values: np.ndarray, disallowed=None) -> bool:
+    def lazy_step(
+        self, p: np.ndarray, values: np.ndarray, disallowed=None, run: slice = ALL, masked=ALL
+    ) -> bool:
         """Add a piece at the present shifts; False (and nothing changed but ``p``) if it is
         not exact.
 
-        ``p`` ``(..., keys)`` holds the piece's scores minus each row's shift and is
-        overwritten with ``exp(p)``; ``values`` is ``(n, keys, Dv)``, the values of the
-        unit's ``n`` key heads (each for ``rows / n`` consecutive rows); ``disallowed``, a
-        bool array broadcastable to ``p``, marks the scores to drop (None: every score is
-        allowed). Disallowed terms are zeroed after the exponential rather than set to
-        ``-inf`` before it: SVML's ``exp2`` takes a slow path for ``-inf`` (a causal diagonal
-        tile took 2.7 times as long). The row sums come first, so that a piece that fails
-        the bound costs no product with the values.
+        ``p`` ``(..., r, keys)`` holds the piece's scores minus each row's shift, for the rows
+        ``run`` (``r`` of them) of each group, and is overwritten with ``exp(p)``; ``values``
+        is ``(n, keys, Dv)``, the values of the unit's ``n`` key heads (each for an equal share
+        of the rows, in order); ``disallowed``, an array broadcastable to the rows ``masked``
+        of ``p`` (a slice of its ``r``), marks the scores to drop (None: every score is
+        allowed): bools, True where a score is disallowed, or weights of ``p``'s dtype, 0
+        there and 1 elsewhere (multiplied in: a term that is NaN or infinite then stays NaN
+        and fails the bound, and the exact step, which drops the scores before the
+        exponential, adds the piece instead). Disallowed terms are dropped after the
+        exponential rather than set to ``-inf`` before it: SVML's ``exp2`` takes a slow path
+        for ``-inf`` (a causal diagonal tile took 2.7 times as long). The row sums come
+        first, so that a piece that fails the bound costs no product with the values.
         """
-        keys = p.shape[-1]
         self.exp(p, out=p)  # the terms, unnormalised: exp(s - m)
         if disallowed is not None:
-            np.copyto(p, 0, where=disallowed)
-        p2 = p.reshape(self.rows, keys)
-        np.matmul(p2, self.space.ones[:keys], out=self.tile_l)  # (rows, keys) @ (keys,)
-        if not self.tile_l.max() <= LAZY_BOUND:  # (NaN fails too)
+            target = p[..., masked, :]
+            if disallowed.dtype == bool:
+                np.copyto(target, 0, where=disallowed)
+            else:
+                np.multiply(target, disallowed, out=target)
+        tile_l = self.row_sums(p)
+        if not tile_l.max() <= LAZY_BOUND:  # (NaN fails too)
             return False
-        self.products(p2, values)
-        self.acc += self.tile_out
-        self.l += self.tile_l
+        _, l, acc, _ = self.by_group
+        l, acc = l[:, run], acc[:, run]
+        acc += self.products(p, values).reshape(acc.shape)
+        l += tile_l.reshape(l.shape)
         return True
 
-    def exact_step(self, s: np.ndarray, values: np.ndarray, masked: bool = False) -> None:
+    def exact_step(
+        self, s: np.ndarray, values: np.ndarray, masked: bool = False, run: slice = ALL
+    ) -> None:
         """Add a piece, moving each row's shift to its largest score so far.
 
-        ``s`` ``(..., keys)`` holds the raw scores (in the base of the softmax), ``-inf`` where
-        disallowed, and is overwritten; ``masked`` says that it may hold such ``-inf``: then,
-        in base 2, the exponential is ``exp(x ln 2)``, which has no slow path for ``-inf``.
-        ``values`` as in :meth:`lazy_step`.
+        ``s`` ``(..., r, keys)`` holds the raw scores (in the base of the softmax) of the rows
+        ``run`` of each group, ``-inf`` where disallowed, and is overwritten; ``masked`` says
+        that it may hold such ``-inf``: then, in base 2, the exponential is ``exp(x ln 2)``,
+        which has no slow path for ``-inf``. ``values`` as in :meth:`lazy_step`.
         """
-        keys = s.shape[-1]
-        s2 = s.reshape(self.rows, keys)
-        m, started = self.m, self.started
-        row_max = np.max(s2, axis=1)  # -inf where nothing is allowed, NaN stays NaN
+        m, l, acc, started = self.state(run)
+        s3 = s.reshape(*m.shape, s.shape[-1])  # (groups, r, keys)
+        row_max = np.max(s3, axis=-1)  # -inf where nothing is allowed, NaN stays NaN
         meets = row_max > -np.inf
         m_new = np.where(started, np.maximum(m, row_max), np.where(meets, row_max, 0))
         alpha = np.where(started, self.base_exp(m - m_new), 0)  # exp(-inf) = 0: no overflow
-        np.subtract(s2, m_new[:, None], out=s2)
+        np.subtract(s3, m_new[..., None], out=s3)
         if masked and self.exp is np.exp2:
-            np.multiply(s2, s2.dtype.type(LN2), out=s2)
-            np.exp(s2, out=s2)
+            np.multiply(s3, s3.dtype.type(LN2), out=s3)
+            np.exp(s3, out=s3)
         else:
-            self.exp(s2, out=s2)  # exp(s - m_new), at most 1
-        np.matmul(s2, self.space.ones[:keys], out=self.tile_l)
-        self.products(s2, values)
-        self.acc *= alpha[:, None]
-        self.acc += self.tile_out
-        self.l *= alpha
-        self.l += self.tile_l
-        m[:] = m_new
+            self.exp(s3, out=s3)  # exp(s - m_new), at most 1
+        tile_l = self.row_sums(s3)
+        tile_out = self.products(s3, values)
+        acc *= alpha[..., None]
+        acc += tile_out.reshape(acc.shape)
+        l *= alpha
+        l += tile_l.reshape(l.shape)
+        m[...] = m_new
         self.moved = True
         started |= meets
-        self.all_started = bool(started.all())
+        self.all_started = bool(self.started.all())
 
-    def products(self, p: np.ndarray, values: np.ndarray) -> None:
-        """``tile_out = p @ v`` per key head: ``(n, rows / n, keys) @ (n, keys, Dv)``.
+    def row_sums(self, p: np.ndarray) -> np.ndarray:
+        """``p @ 1``: the row sums of a piece's terms ``(..., keys)``, flat, in ``tile_l``."""
+        keys = p.shape[-1]
+        tile_l = self.space.tile_l[: p.size // keys]
+        np.matmul(p.reshape(-1, keys), self.space.ones[:keys], out=tile_l)
+        return tile_l
+
+    def products(self, p: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """``p @ v`` per key head: ``(n, rows / n, keys) @ (n, keys, Dv)``, into ``tile_out``
+        (returned, ``(n, rows / n, Dv)``).
 
         The row sums are a matrix-vector product with ones rather than a column of ones
         appended to the values: it reads the tile once more, from cache, which costs less.
@@ -257,16 +298,17 @@ class OnlineSoftmax:
         dtype's largest number may overflow here, silently: the face finds it in the result
         (:mod:`sdpa.tiles.ranges`).
         """
-        n = values.shape[0]
-        out = self.tile_out.reshape(n, self.rows // n, self.Dv)
-        np.matmul(p.reshape(n, self.rows // n, p.shape[-1]), values, out=out)
+        n, keys = values.shape[0], p.shape[-1]
+        rows = p.size // keys
+        out = self.space.tile_out[: rows * self.Dv].reshape(n, rows // n, self.Dv)
+        np.matmul(p.reshape(n, rows // n, keys), values, out=out)
+        return out
 
-    def sums_hold(self, rows=slice(None), groups: int = 1) -> bool:
+    def sums_hold(self, run: slice = ALL) -> bool:
         """Whether a unit started at zero may keep it: every row has ``l >= LAZY_FLOOR`` (NaN
-        fails too); with ``rows``, only those rows of each of ``groups`` equal blocks of rows
-        (the folded heads). Checked after the first piece, for the rows it allowed some key,
-        and at the end, for all."""
-        l = self.l.reshape(groups, -1)[:, rows]
+        fails too); with ``run``, only those rows of each group. Checked after the first
+        piece, for the rows it allowed some key, and at the end, for all."""
+        l = self.state(run)[1]
         return l.size == 0 or bool(l.min() >= LAZY_FLOOR)
 
     def finish(self, out: np.ndarray, sinks: np.ndarray | None = None):

@@ -19,11 +19,12 @@ from sdpa.tiles.band import (
     band_keys,
     fold_axis,
     key_block_range,
+    partial_rows,
     rows_meeting,
     tile_kind,
     tile_plan_sizes,
 )
-from sdpa.tuning import BLOCK_K, BLOCK_ROWS, BLOCK_ROWS_FULL
+from sdpa.tuning import BLOCK_K, BLOCK_K_BAND, BLOCK_ROWS, BLOCK_ROWS_FULL
 
 
 def band(T, S, offset, lo, hi):
@@ -107,19 +108,56 @@ def test_rows_meeting_are_the_rows_with_an_allowed_key_of_the_tile(g):
 
 @SETTINGS
 @given(g=geometry())
-def test_band_tiles_give_the_band_s_mask(g):
+def test_partial_rows_hold_every_row_the_band_s_edge_crosses(g):
     T, S, offset, lo, hi, (t0, t1, s0, s1) = g
-    tiles = BandTiles(offset, lo, hi)
-    got = tiles.disallowed(t0, t1, s0, s1)
-    assert got.dtype == bool
-    np.testing.assert_array_equal(got, ~band(T, S, offset, lo, hi)[t0:t1, s0:s1])
+    tile = band(T, S, offset, lo, hi)[t0:t1, s0:s1]
+    run = rows_meeting(t0, t1, s0, s1, offset, lo, hi)
+    if run.stop == run.start or tile[run].all():
+        return  # the face asks only about the rows meeting a piece's keys, when some is crossed
+    crossed = ~tile[run].all(axis=1)  # rows of the run with a disallowed key
+    got = partial_rows(t0, s0, s1, run, offset, lo, hi)
+    assert 0 <= got.start < got.stop <= run.stop - run.start
+    inside = np.zeros_like(crossed)
+    inside[got] = True
+    assert not np.any(crossed & ~inside)  # every crossed row is masked
+    # ... and the rows left out are full ones at an end of the run: the masked rows are the
+    # crossed rows' span, or the whole run when full rows lie strictly inside that span
+    span = run_of(crossed)
+    assert (got.start, got.stop) in (span, (0, crossed.size))
+    if (got.start, got.stop) != span:
+        assert crossed[0] and crossed[-1]
+
+
+def test_partial_rows_of_a_causal_strip():
+    # Causal, offset 0: keys 8:12 meet the rows 8:16 of queries 0:16 (run 8:16); rows 8, 9 and
+    # 10 (0, 1 and 2 of the run) lack a key (row 11 sees keys up to 11): the masked rows.
+    run = rows_meeting(0, 16, 8, 12, 0, None, 0)
+    assert run == slice(8, 16)
+    assert partial_rows(0, 8, 12, run, 0, None, 0) == slice(0, 3)
+    # A window (lo = -2, hi = 0): rows 8:14 meet keys 8:12; rows 11 alone sees them all.
+    run = rows_meeting(0, 16, 8, 12, 0, -2, 0)
+    assert run == slice(8, 14)
+    assert partial_rows(0, 8, 12, run, 0, -2, 0) == slice(0, 6)  # full row 11 inside: all
+
+
+@SETTINGS
+@given(g=geometry(), dtype=st.sampled_from([np.float32, np.float64]))
+def test_band_tiles_give_the_band_s_mask(g, dtype):
+    T, S, offset, lo, hi, (t0, t1, s0, s1) = g
+    tiles = BandTiles(offset, lo, hi, np.dtype(dtype))
+    got, weights = tiles.tiles(t0, t1, s0, s1)
+    assert got.dtype == bool and weights.dtype == dtype
+    want = ~band(T, S, offset, lo, hi)[t0:t1, s0:s1]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(weights, np.where(want, 0, 1))
+    assert tiles.disallowed(t0, t1, s0, s1) is got
 
 
 def test_band_tiles_cache_returns_equal_tiles_for_one_geometry():
     # Causal with offset 1: tiles at the same distance from the diagonal are the same mask.
     T, S, offset, lo, hi = 12, 14, 1, None, 0
     allowed = band(T, S, offset, lo, hi)
-    tiles = BandTiles(offset, lo, hi)
+    tiles = BandTiles(offset, lo, hi, np.dtype(np.float64))
     first = tiles.disallowed(2, 5, 3, 7)
     again = tiles.disallowed(6, 9, 7, 11)  # shifted by 4 along the diagonal: the cached tile
     assert again is first
@@ -133,7 +171,7 @@ def test_band_tiles_cache_returns_equal_tiles_for_one_geometry():
 def test_band_tiles_stay_right_after_the_cache_starts_over():
     T, S, offset, lo, hi = 40, 40, 0, -3, 2
     allowed = band(T, S, offset, lo, hi)
-    tiles = BandTiles(offset, lo, hi)
+    tiles = BandTiles(offset, lo, hi, np.dtype(np.float64))
     for t0 in range(0, 30, 3):
         for s0 in range(0, 30, 2):
             for size in (1, 4):  # well over 64 geometries
@@ -160,12 +198,23 @@ def test_tile_plan_sizes():
     G, block_q, block_k = tile_plan_sizes(problem(8, 2), block_q=100, block_k=100)
     assert (G, block_q, block_k) == (4, 5, 7)  # clipped to T = 5 and S = 7
     assert tile_plan_sizes(problem(3, 3), block_q=2, block_k=3) == (1, 2, 3)
-    # Under a causal mask about BLOCK_ROWS rows after folding, BLOCK_K keys.
+    # Under a causal mask the rows grow towards BLOCK_ROWS_FULL too, while every thread gets
+    # two units: 4 outer heads and one thread, one block of the 2000 rows per head (G 2000
+    # rows, more than BLOCK_ROWS_FULL); BLOCK_K_BAND keys.
     big = problem(8, 2, T=2000, S=3000, is_causal=True)
     G, block_q, block_k = tile_plan_sizes(big, num_threads=1)
     rows = BLOCK_ROWS[big.work_dtype]
-    assert G == 4 and rows - G < G * block_q <= rows
-    assert block_k == BLOCK_K[big.work_dtype]
+    assert G == 4 and G * block_q == BLOCK_ROWS_FULL[big.work_dtype]
+    assert block_k == BLOCK_K_BAND[big.work_dtype]
+    # 4 threads: 2 units each, 2 blocks per head, of G 1000 rows, within BLOCK_ROWS_FULL
+    G, block_q, _ = tile_plan_sizes(big, num_threads=4)
+    assert G * block_q == min(BLOCK_ROWS_FULL[big.work_dtype], G * 1000)
+    # 16 threads: 8 blocks per head of 250 rows (G 250 = 1000 rows)
+    G, block_q, _ = tile_plan_sizes(big, num_threads=16)
+    assert G * block_q == max(rows, G * 250)
+    assert tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=1)[2] == BLOCK_K[
+        big.work_dtype
+    ]
     # Without a band the rows grow towards BLOCK_ROWS_FULL, while every thread gets a unit:
     # 4 outer heads (2 batch entries x 2 key heads) and 8 threads give 2 blocks per head.
     G, block_q, _ = tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=8)

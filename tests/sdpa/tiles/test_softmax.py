@@ -36,10 +36,11 @@ TIGHT = dict(rtol=1e-15, atol=0)  # a few roundings of exp and log at most
 F64 = np.dtype(np.float64)
 
 
-def softmax_state(rows, keys, Dv, *, base2=False, at_zero=True):
+def softmax_state(rows, keys, Dv, *, base2=False, at_zero=True, groups=1):
     """A fresh online softmax of ``rows`` rows in float64, for pieces of up to ``keys`` keys."""
     space = Workspace(rows, keys, Dv, F64)
-    return OnlineSoftmax(space, rows, Dv, np.exp2 if base2 else np.exp, base2, at_zero)
+    exp = np.exp2 if base2 else np.exp
+    return OnlineSoftmax(space, rows, Dv, exp, base2, at_zero, groups=groups)
 
 
 def snapshot(sm):
@@ -323,13 +324,15 @@ def test_sums_hold_at_the_floor():
     sm = softmax_state(4, 1, 1)
     assert sm.lazy_step(piece([[0], [low], [LN2], [0]]), vals([1]))
     assert not sm.sums_hold()
-    # groups = 2 folded heads of 2 rows: rows=slice(0, 1) reads rows 0 and 2 (both hold),
-    # rows=slice(1, 2) reads rows 1 and 3 (row 1 fails).
-    assert sm.sums_hold(slice(0, 1), groups=2)
-    assert not sm.sums_hold(slice(1, 2), groups=2)
-    assert sm.sums_hold(slice(1, 1), groups=2)  # no row to check
     # One group of 4 rows: rows 2 and 3 hold, rows 0 and 1 include the failing one.
     assert sm.sums_hold(slice(2, 4)) and not sm.sums_hold(slice(0, 2))
+    # Two groups (folded heads) of 2 rows: the run slice(0, 1) reads rows 0 and 2 (both
+    # hold), slice(1, 2) rows 1 and 3 (row 1 fails).
+    sm = softmax_state(4, 1, 1, groups=2)
+    assert sm.lazy_step(piece([[0], [low], [LN2], [0]]), vals([1]))
+    assert sm.sums_hold(slice(0, 1))
+    assert not sm.sums_hold(slice(1, 2))
+    assert sm.sums_hold(slice(1, 1))  # no row to check
 
 
 def test_sums_hold_fails_on_nan():
