@@ -47,7 +47,9 @@ a CPU, where every NumPy call is a full pass over a tile (the tunables are in
   NumPy computes ``exp2`` with SVML (:func:`sdpa.tuning.tile_exponential`), except with a
   float bias;
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
-  entirely inside it are not masked; only the blocks the band's edge crosses are masked;
+  entirely inside it are not masked; a piece of keys the band's edge crosses is computed only
+  for the rows its keys are allowed to (a causal block walks its diagonal as a staircase of
+  strips), and only the rows the edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
   share a key/value head folded in, so each key tile is loaded once for the whole group; of
   several heads, their products batched, when the units are short) are
@@ -642,11 +644,12 @@ def attention_tiled(
     problem : AttentionProblem
         From :func:`sdpa.problem.prepare_attention`.
     block_q : int, optional
-        Query positions per tile; default: about ``BLOCK_ROWS`` rows after folding the heads
-        that share a key/value head into the rows of one tile, up to ``BLOCK_ROWS_FULL``
-        without a causal mask or a window.
+        Query positions per tile; default: up to ``BLOCK_ROWS_FULL`` rows after folding the
+        heads that share a key/value head into the rows of one tile, at least ``BLOCK_ROWS``,
+        fewer while a thread would get no unit (two, under a causal mask or a window).
     block_k : int, optional
-        Keys per tile; default ``BLOCK_K``.
+        Keys per tile; default ``BLOCK_K``, or ``BLOCK_K_BAND`` under a causal mask or a
+        window (whose pieces meet only the rows their keys are allowed to).
     num_threads : int, optional
         Worker threads; default :func:`sdpa.threads.default_num_threads`.
     stats : TileStats, optional

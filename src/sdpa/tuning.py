@@ -49,15 +49,18 @@ _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 # -- tile sizes of the forward kernel (sdpa.tiled) ------------------------------------------
 
 # Chosen on a 2-core AMD EPYC (Zen 3, 512 KiB L2 per core) with `benchmarks/tune.py tiles`.
-# The rows count *after* folding the heads of a group, so a tile of scores is at most
-# BLOCK_ROWS x BLOCK_K. Under a causal mask or a window, short tiles follow the diagonal more
-# closely; without one every tile is full, and longer tiles cost less per score (fewer work
-# units and NumPy calls, larger products): 4 x 8 heads of T = S = 1024 on 2 cores of an AMD
-# EPYC Zen 4 took 0.95 of the time with 1024 rows as with 512 in float32, 0.92 in float64.
-#: Query rows per tile, after folding the heads of a group, by working dtype.
+# The rows count *after* folding the heads of a group. Longer tiles cost less per score (fewer
+# work units and NumPy calls, larger products): 4 x 8 heads of T = S = 1024 on 2 cores of an
+# AMD EPYC Zen 4 took 0.95 of the time with 1024 rows as with 512 in float32, 0.92 in float64.
+# Under a causal mask, now that a piece computes only the rows it meets (see BLOCK_K_BAND), the
+# rows matter little from 512 on: float32, width 64, two threads (Intel Xeon, AVX-512, 2 cores;
+# medians of 7 interleaved rounds), causal over unmasked time at 4 x 8 x 1024, 1 x 8 x 4096
+# and 1 x 32 x 2048 was 0.79, 0.62, 0.66 with units of 256 rows; 0.73, 0.58, 0.64 with 512;
+# 0.74, 0.58, 0.63 with 1024; 0.76, 0.57, 0.61 with 2048.
+#: The fewest query rows per tile, after folding the heads of a group, by working dtype.
 BLOCK_ROWS = MappingProxyType({_F32: 256, _F64: 256})
-#: Query rows per tile when no causal mask or window limits the keys, by working dtype
-#: (lowered to ``BLOCK_ROWS`` at least, so that every thread still gets a work unit).
+#: The most query rows per tile, by working dtype (lowered, down to ``BLOCK_ROWS``, so that
+#: every thread still gets a work unit, or two under a causal mask or a window).
 BLOCK_ROWS_FULL = MappingProxyType({_F32: 1024, _F64: 1024})
 #: Keys per tile, by working dtype.
 BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
@@ -66,7 +69,11 @@ BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
 # allowed to (sdpa.tiles.band.rows_meeting): along the diagonal a causal unit walks a
 # triangle, one strip of BLOCK_K_BAND keys at a time, each strip as tall as the rows at and
 # below it, so the narrower the strips the less of the masked triangle is computed (half a
-# strip's square per strip), and the more NumPy calls. MEASURED_LATER
+# strip's square per strip), and the more NumPy calls. Causal over unmasked time, float32,
+# width 64, two threads (Intel Xeon, AVX-512, 2 cores; medians of 7 interleaved rounds), at
+# 4 x 8 x 1024, 1 x 8 x 4096 and 1 x 32 x 2048: strips of 128 keys 0.73, 0.62, 0.64; of 256
+# 0.70, 0.58, 0.64; of 384 0.77, 0.60, 0.64; of 512 0.83, 0.62, 0.68. Float64 keeps its
+# BLOCK_K, unmeasured.
 #: Keys per tile under a causal mask or a window, by working dtype.
 BLOCK_K_BAND = MappingProxyType({_F32: 256, _F64: 256})
 

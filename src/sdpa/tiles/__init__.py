@@ -22,9 +22,11 @@ throughout the package:
     The keys of one step of a unit's walk: one matrix product of the unit's queries with
     them, one exponential, one product with their values. A piece is *full* (every score of
     it allowed: no mask applied) or *partial* (a mask applies). The dense face cuts the keys
-    the causal/window band allows into pieces at multiples of ``BLOCK_K``, each trimmed to
-    the keys the band allows some query of the unit (a causal row of pieces stops at the
-    diagonal); a piece the band's edge crosses is partial, and may hold full keys too
+    the causal/window band allows into pieces at multiples of ``BLOCK_K`` (``BLOCK_K_BAND``
+    under a band), each trimmed to the keys the band allows some query of the unit (a causal
+    row of pieces stops at the diagonal); a piece meets only the *run* of the unit's rows
+    that its keys are allowed to (a causal unit walks its diagonal as a staircase of
+    strips), and of a piece the band's edge crosses only the rows it crosses are masked
     (:mod:`sdpa.tiles.band`). The flex face gathers a block mask's non-empty blocks of one
     kind (:mod:`sdpa.tiles.blocks`).
 **plan**
