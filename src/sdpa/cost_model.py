@@ -194,8 +194,26 @@ def tiling_geometry(
     units = groups * t0.size
     tiles = outer * int(n_tiles.sum())
     steps = groups * int(n_tiles.sum())
-    scores = outer * F * int(((t1 - t0) * (stop - start)).sum())
+    scores = outer * F * _band_scores(t0, t1, start, stop, n_tiles, bk, problem)
     return units, tiles, steps, scores, min(num_threads, max(units, 1))
+
+
+def _band_scores(t0, t1, start, stop, n_tiles, bk: int, problem: AttentionProblem) -> int:
+    """The scores one head's pieces compute under the band: each piece (keys ``s0:s1`` of a
+    block's ``start:stop``, cut at multiples of ``bk``) times the rows it meets (those whose
+    band reaches one of its keys), summed over every block's pieces at once."""
+    block = np.repeat(np.arange(t0.size), n_tiles)  # the block of each piece
+    first_piece = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
+    b = start[block] // bk + np.arange(block.size) - first_piece  # the piece's key block
+    s0 = np.maximum(b * bk, start[block])
+    s1 = np.minimum((b + 1) * bk, stop[block])
+    lo, hi = problem.band
+    r0, r1 = t0[block], t1[block]
+    if hi is not None:  # row i reaches key i + offset + hi >= s0
+        r0 = np.maximum(r0, s0 - problem.offset - hi)
+    if lo is not None:  # row i starts at key i + offset + lo <= s1 - 1
+        r1 = np.minimum(r1, s1 - problem.offset - lo)
+    return int((np.maximum(0, r1 - r0) * (s1 - s0)).sum())
 
 
 def estimated_times(

@@ -9,6 +9,7 @@ with the public mask helpers.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -468,13 +469,15 @@ def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, k
     is_causal = kw.pop("is_causal", False)
     problem = prepare_attention(q, k, k, mask, is_causal, **kw)
     units, tiles, steps, scores, num_threads = tiling_geometry(problem)
-    stats = TileStats()
-    attention_tiled(problem, stats=stats)
+    stats, counting = TileStats(), CountingExp()
+    attention_tiled(problem, stats=stats, exp=counting)
     assert tiles == stats.computed
     assert steps == stats.steps
     assert units == stats.units
     assert num_threads == min(default_num_threads(), units)
-    # scores: the entries of the computed tiles, trimmed to the band's keys (independent sum)
+    # scores: the entries each piece computed, counted as the kernel takes its exponential
+    # (of every head of a step at once), and no fewer than the band allows
+    assert scores == sum(math.prod(shape) for shape in counting.shapes)
     band = np.ones((problem.T, problem.S), dtype=bool)
     if is_causal or kw.get("window"):
         band = problem.band_mask()
@@ -1038,14 +1041,16 @@ def test_tile_sizes_are_clipped_to_the_problem():
 
 
 class CountingExp:
-    """The tiles' exponential (``numpy.exp``, so the scores are in base e), counting the scores
-    each piece computed: its rows and keys."""
+    """The tiles' exponential (``numpy.exp``, so the scores are in base e), keeping the shape
+    of each piece it was applied to: ``pieces`` its rows and keys, ``shapes`` all of it (the
+    heads of a step too)."""
 
     def __init__(self):
-        self.pieces = []
+        self.pieces, self.shapes = [], []
 
     def __call__(self, x, out=None):
         self.pieces.append(x.shape[-2:])
+        self.shapes.append(x.shape)
         return np.exp(x, out=out)
 
 
