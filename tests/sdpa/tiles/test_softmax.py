@@ -113,6 +113,53 @@ def test_start_at_zero_then_lazy_steps_base_2_is_exact():
     np.testing.assert_array_equal(m, [0, 0])
 
 
+def test_steps_on_a_run_of_rows_of_each_group_base_2():
+    # Two groups (folded heads) of 3 rows each, scores in base 2 (sums exact), values of the
+    # two key heads in turn: rows 0-2 take key head 0's values, rows 3-5 key head 1's.
+    # Piece 1, every row, one key: scores 0 (term 1), values 1 and 10.
+    # Piece 2, the run 1:3 (rows 1, 2 and 4, 5), one key: scores 1 and 2 (terms 2 and 4).
+    # Piece 3, the run 2:3 (rows 2 and 5), exact: scores 3 and 5, each row's new maximum.
+    sm = softmax_state(6, 2, 1, base2=True, groups=2)
+    assert sm.lazy_step(np.zeros((2, 1, 3, 1)), np.array([[[1.0]], [[10.0]]]))
+    p = np.array([[1.0], [2.0], [1.0], [2.0]]).reshape(2, 1, 2, 1)  # (n, G, r, keys)
+    assert sm.lazy_step(p, np.array([[[3.0]], [[30.0]]]), run=slice(1, 3))
+    np.testing.assert_array_equal(sm.l, [1, 3, 5, 1, 3, 5])
+    np.testing.assert_array_equal(sm.acc[:, 0], [1, 7, 13, 10, 70, 130])
+    assert sm.started_in(slice(2, 3)) and sm.started_in()
+    sm.exact_step(np.array([3.0, 5.0]).reshape(2, 1, 1, 1), np.array([[[2.0]], [[20.0]]]),
+                  run=slice(2, 3))
+    # Rows 2 and 5: shift 0 -> 3 and 0 -> 5; old sums times 2^-3 and 2^-5, plus 1.
+    np.testing.assert_array_equal(sm.m, [0, 0, 3, 0, 0, 5])
+    np.testing.assert_array_equal(sm.l, [1, 3, 5 / 8 + 1, 1, 3, 5 / 32 + 1])
+    np.testing.assert_array_equal(sm.acc[:, 0], [1, 7, 13 / 8 + 2, 10, 70, 130 / 32 + 20])
+    out, lse, m, _ = finished(sm)
+    np.testing.assert_allclose(out[:, 0], [1, 7 / 3, 3.625 / 1.625, 10, 70 / 3, 24.0625 / 1.15625],
+                               **TIGHT)
+    np.testing.assert_allclose(lse, np.log([1, 3, 13, 1, 3, 37]), **TIGHT)  # m ln 2 + ln l
+
+
+def test_a_masked_run_drops_its_terms_by_bools_or_by_weights():
+    # One group of 3 rows, the run 1:3 with its first row (row 1) masked on key 1: by a bool
+    # mask (True = disallowed) or by weights (0 = disallowed); the same sums either way, and
+    # a NaN under a weight 0 stays NaN and fails the bound (the exact step then drops it).
+    for mask in (np.array([[False, True]]), np.array([[1.0, 0.0]])):
+        sm = softmax_state(3, 2, 1)
+        p = np.array([[0.0, LN2], [LN3, 0.0]])  # rows 1 and 2 of the run
+        assert sm.lazy_step(p, vals([1], [4]), mask, run=slice(1, 3), masked=slice(0, 1))
+        np.testing.assert_allclose(sm.l, [0, 1, 4], **TIGHT)
+        np.testing.assert_allclose(sm.acc[:, 0], [0, 1, 7], **TIGHT)
+    sm = softmax_state(3, 2, 1)
+    p = np.array([[0.0, np.nan], [0.0, 0.0]])
+    weights = np.array([[1.0, 0.0]])
+    assert not sm.lazy_step(p, vals([1], [4]), weights, run=slice(1, 3), masked=slice(0, 1))
+    np.testing.assert_array_equal(sm.l, [0, 0, 0])  # nothing added
+    sm = softmax_state(3, 2, 1)
+    p = np.array([[0.0, np.nan], [0.0, 0.0]])
+    bools = np.array([[False, True]])
+    assert sm.lazy_step(p, vals([1], [4]), bools, run=slice(1, 3), masked=slice(0, 1))
+    np.testing.assert_allclose(sm.l, [0, 1, 2], **TIGHT)
+
+
 @pytest.mark.parametrize(
     "bad_row",
     [
