@@ -15,20 +15,25 @@ expression modifies a whole block of them at once.
 Two paths give the same result to rounding. The **reference** path is the formula as written:
 the whole ``(B, Hq, T, S)`` score matrix, ``score_mod`` on all of it, the mask, a softmax. The
 **tiled** path is a face over the engine of :mod:`sdpa.tiles`, which the tiled path of
-:func:`sdpa.scaled_dot_product_attention` runs on too. Each unit is one block of query rows (the
-mask's query block; when the mask does not depend on the head, of the query heads that share a
-key head, and of several key heads at once, as many as ``sdpa.tuning.UNIT_SCORES`` and
-``MIN_UNITS`` allow):
+:func:`sdpa.scaled_dot_product_attention` runs on too. Each unit is a run of consecutive query
+blocks of the mask, up to ``sdpa.tuning.BLOCK_ROWS_FULL`` rows (when the mask does not depend on
+the head, of the query heads that share a key head, and of several key heads at once, as many
+as ``sdpa.tuning.UNIT_SCORES`` and ``MIN_UNITS`` allow):
 
 1. gather the key blocks the block mask marks non-empty, skipping the empty ones entirely:
-   no product, no ``score_mod``, no ``mask_mod`` on their entries;
-2. one product for the gathered full blocks and one for the gathered *partial* ones (each in
-   pieces of at most ``block_k`` keys), so that every tile is contiguous;
+   no product, no ``score_mod``, no ``mask_mod`` on their entries; a key block meets only the
+   unit's query blocks whose block of it is not empty (under a causal mask, the query blocks
+   from the diagonal down: a staircase of strips);
+2. one product for the key blocks that meet the same run of query blocks and are full there,
+   and one for those with *partial* blocks (each in pieces of at most ``block_k`` keys), so
+   that every tile is contiguous;
 3. ``score_mod`` on those scores; the partial pieces' masks, from ``mask_mod`` (evaluated once
-   per block mask and kept beside it), zero their disallowed terms;
+   per block mask and kept beside it, on the rows holding a partial block), zero their
+   disallowed terms;
 4. the engine's online softmax across the pieces, the full ones first: a unit whose first
-   piece is full starts at the shift 0, later pieces take the lazy step, each checked by its
-   row sums and computed again by the exact step in the rare case that fails.
+   piece is full and meets every row starts at the shift 0, later pieces take the lazy step,
+   each checked by its row sums and computed again by the exact step in the rare case that
+   fails.
 
 Without a ``score_mod`` the scores are computed in base 2 where ``exp2`` is the faster
 exponential (:func:`sdpa.tuning.tile_exponential`). Without a block mask the units and pieces
@@ -67,11 +72,11 @@ from .problem import check_overflow, overflow_checked
 from .softmax_stable import softmax_and_lse
 from .threads import default_num_threads
 from .tiles.band import unit_rows
-from .tiles.blocks import Piece, PlanCache, RowPlan, mask_row, plans_beside, row_plan, unit_list
+from .tiles.blocks import Piece, PlanCache, UnitPlan, mask_row, plans_beside, unit_list, unit_plan
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import LN2, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
-from .tuning import BLOCK_K, PIECE_KEYS, PLAN_CACHE_BYTES, tile_exponential
+from .tuning import BLOCK_K, BLOCK_K_BAND, PIECE_KEYS, PLAN_CACHE_BYTES, tile_exponential
 
 __all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
 
@@ -89,19 +94,21 @@ class FlexStats(Counts):
     Attributes
     ----------
     units : int
-        Work units: one block of query rows of one head, of the heads that share a key head,
-        or (when the mask does not depend on the head) of several key heads.
+        Work units: a run of consecutive query blocks of one head, of the heads that share a
+        key head, or (when the mask does not depend on the head) of several key heads.
     tiles : int
-        Pieces: a unit's gathered keys of one kind (full or partial blocks), at most
-        ``block_k`` of them, each one matrix product with the unit's queries (two when the
-        piece is computed again, counted in ``redone``).
+        Pieces: a unit's gathered key blocks that meet the same run of its query blocks, all
+        full or some partial there, at most ``block_k`` keys, each one matrix product with
+        the run's queries (two when the piece is computed again, counted in ``redone``).
     computed : int
         Blocks whose scores were computed (0 without a block mask).
     masked : int
         Computed blocks to which ``mask_mod`` applies: the partial ones. (It is evaluated on a
         block once per block mask and setting, and kept: see ``PLAN_CACHE_BYTES``.)
     skipped : int
-        Blocks never computed: the block mask marks them empty.
+        Blocks the block mask marks empty: no mod sees them, and without a ``score_mod`` they
+        are computed (and masked) only where a strip of partial blocks crosses them (under
+        a causal mask, above the diagonal blocks).
     redone : int
         Pieces computed twice. A unit's first piece of full blocks takes the shift 0 for
         every row, and a later piece each row's present shift (the online softmax's lazy
@@ -203,9 +210,10 @@ class _Tiling:
     block_q: int  # query positions per block
     block_kv: int  # keys per block
     block_k: int  # keys per piece, at most (at least one block)
+    strip_keys: int | None  # keys per strip of partial blocks; None: pieces of equal runs
     exp: Callable  # the exponential of the pieces: numpy.exp, or numpy.exp2 on scores in base 2
     plans: PlanCache  # the plans of the mask's rows: kept beside the block mask, or the call's
-    units: list  # (b, hk0, hk1, g0, g1, query block) of every unit
+    units: list  # (b, hk0, hk1, g0, g1, m0, m1) of every unit: the query blocks m0:m1
     out: np.ndarray  # (B, Hkv, G, T, Dv), written by the units (every row: not zeroed first)
     lse: np.ndarray  # (B, Hkv, G, T)
     value: np.ndarray  # (B, Hkv, 1, S, Dv): the call's, or scaled by 2 ** -v_exp
@@ -214,7 +222,8 @@ class _Tiling:
 
     def space(self) -> Workspace:
         """A worker's buffers, for the largest unit and piece of the plan."""
-        rows = max((u[2] - u[1]) * (u[4] - u[3]) for u in self.units) * self.block_q
+        rows = max((u[2] - u[1]) * (u[4] - u[3]) * (u[6] - u[5]) for u in self.units)
+        rows *= self.block_q
         keys = min(self.call.problem.S, max(self.block_k, self.block_kv))
         return Workspace(rows, keys, self.call.problem.Dv, self.call.dtype)
 
@@ -261,6 +270,9 @@ def _tiling(call: FlexCall, block_k, num_threads, v_exp=None, want_top=False) ->
         block_q=block_q,
         block_kv=block_kv,
         block_k=block_k,
+        # Strips of partial blocks as wide as the dense path's under a causal mask; a strip
+        # computes (masked) empty blocks beside them, which a score_mod must never see.
+        strip_keys=None if call.score_mod is not None else BLOCK_K_BAND.get(call.dtype, 256),
         exp=exp,
         plans=PlanCache(PLAN_CACHE_BYTES) if bm is None else plans_beside(bm, PLAN_CACHE_BYTES),
         units=unit_list(call.B, call.Hkv, call.G, kinds, block_q, block_kv),
@@ -287,32 +299,32 @@ class _Worker:
         self.space = tiling.space()
         self.stats = FlexStats()
 
-    def run(self, b: int, hk0: int, hk1: int, g0: int, g1: int, m: int) -> None:
-        """Attention of the query block ``m`` of the query heads ``g0:g1`` of the key heads
-        ``hk0:hk1`` (all of their query heads when there are several)."""
+    def run(self, b: int, hk0: int, hk1: int, g0: int, g1: int, m0: int, m1: int) -> None:
+        """Attention of the query blocks ``m0:m1`` of the query heads ``g0:g1`` of the key
+        heads ``hk0:hk1`` (all of their query heads when there are several)."""
         tiling, stats = self.tiling, self.stats
         call = tiling.call
         G, heads = call.G, (hk1 - hk0) * (g1 - g0)
-        t0, t1 = m * tiling.block_q, min(call.problem.T, (m + 1) * tiling.block_q)
+        t0, t1 = m0 * tiling.block_q, min(call.problem.T, m1 * tiling.block_q)
         h = range(hk0 * G + g0, hk0 * G + g0 + heads)  # query heads, in order
-        row = mask_row(tiling.kinds, b, h.start, m)
-        plan = tiling.plans.get((tiling.block_k, row), lambda: self.make_plan(row, t0, t1))
+        row = (*mask_row(tiling.kinds, b, h.start, 0)[:2], m0, m1)
+        key = (tiling.block_k, tiling.strip_keys, row)
+        plan = tiling.plans.get(key, lambda: self.make_plan(row, t0, t1))
         stats.units += 1
         stats.tiles += len(plan.pieces)
         if call.block_mask is not None:
             stats.computed += heads * plan.computed
-            stats.skipped += heads * (tiling.kinds.shape[-1] - plan.computed)
+            stats.skipped += heads * ((m1 - m0) * tiling.kinds.shape[-1] - plan.computed)
             stats.masked += heads * plan.partial
-        out = tiling.out[b, hk0:hk1, g0:g1, t0:t1]  # (n, G', Bq, Dv) view
+        out = tiling.out[b, hk0:hk1, g0:g1, t0:t1]  # (n, G', rows, Dv) view
         if not plan.pieces:  # every block empty: out 0, and lse -inf as set up
             out[...] = 0
             return
         with overflow_checked(call.problem):  # scaled here, in the worker threads
-            q_tile = call.query[b, hk0:hk1, g0:g1, t0:t1] * tiling.factor  # (n, G', Bq, Dk)
-        q_tile = q_tile.reshape(hk1 - hk0, heads // (hk1 - hk0) * (t1 - t0), -1)  # (n, G' Bq, Dk)
+            q_tile = call.query[b, hk0:hk1, g0:g1, t0:t1] * tiling.factor  # (n, G', rows, Dk)
         key, value = call.key[b, hk0:hk1, 0], tiling.value[b, hk0:hk1, 0]  # (n, S, Dk), (n, S, Dv)
         unit = _Unit(self, q_tile, key, value, (b, h, t0, t1))
-        softmax = unit.walk(plan.pieces)
+        softmax = unit.walk(plan)
         lse, _, _ = softmax.finish(out)
         restore_scale(out, tiling.v_exp, self.space.top)
         tiling.lse[b, hk0:hk1, g0:g1, t0:t1] = lse.reshape(out.shape[:-1])
@@ -320,65 +332,93 @@ class _Worker:
             top = unit.top * LN2 if tiling.exp is np.exp2 else unit.top
             tiling.top[b, hk0:hk1, g0:g1, t0:t1] = top.reshape(out.shape[:-1])
 
-    def make_plan(self, row: tuple[int, int, int], t0: int, t1: int) -> RowPlan:
-        """The plan of the row ``kinds[row]`` of queries ``t0:t1``."""
+    def make_plan(self, row: tuple[int, int, int, int], t0: int, t1: int) -> UnitPlan:
+        """The plan of the rows ``kinds[b, h, m0:m1]`` (``row``) of queries ``t0:t1``."""
         tiling = self.tiling
         mask_mod = None if tiling.call.block_mask is None else tiling.call.block_mask.mask_mod
-        return row_plan(
-            tiling.kinds[row],
+        return unit_plan(
+            tiling.kinds[row[0], row[1], row[2] : row[3]],
             mask_mod,
             row[:2],
             range(t0, t1),
+            tiling.block_q,
             tiling.block_kv,
             tiling.call.problem.S,
             tiling.block_k,
+            tiling.strip_keys,
         )
 
 
 class _Unit:
-    """One unit's walk over its pieces: the queries ``q_tile`` ``(n, rows / n, Dk)`` of ``n``
-    key heads, their keys and values ``(n, S, D)``, and the online softmax of the rows.
+    """One unit's walk over its pieces: the queries ``q_tile`` ``(n, G', rows, Dk)`` of the
+    ``G'`` query heads of each of ``n`` key heads, their keys and values ``(n, S, D)``, and
+    the online softmax of the rows (a block of them per query head, a piece meeting a run of
+    each block).
 
-    Without a ``score_mod``, a unit whose first piece is full starts every row at the shift 0
-    (no row maximum, no subtraction on that piece); its later pieces take the lazy step at the
-    shifts they find, each checked by its row sums and computed again by the exact step in the
-    rare case that fails (counted in ``FlexStats.redone``).
+    Without a ``score_mod``, a unit starts every row at the shift 0 (no row maximum, no
+    subtraction); its pieces take the lazy step at the shifts they find, each checked by its
+    row sums and computed again by the exact step in the rare case that fails, and the unit is
+    walked again from the exact step if a row's scores all lie too far below zero (both
+    counted in ``FlexStats.redone``).
     """
 
     def __init__(self, worker: _Worker, q_tile, key, value, where: tuple):
         self.worker, self.q_tile, self.key, self.value = worker, q_tile, key, value
-        self.rows = q_tile.shape[0] * q_tile.shape[1]
+        self.rows = q_tile.shape[0] * q_tile.shape[1] * q_tile.shape[2]
         self.where = where  # (b, query heads, t0, t1)
         # The running maximum of each row's allowed scores, if asked for: the softmax's shift
         # is not it (lazy steps lag behind it; a unit may start at the shift 0).
         dtype = worker.tiling.call.dtype
         self.top = None if worker.tiling.top is None else np.full(self.rows, -np.inf, dtype)
 
-    def walk(self, pieces) -> OnlineSoftmax:
-        """Add the pieces (each with its mask, True = disallowed, or None) in order."""
-        tiling, stats = self.worker.tiling, self.worker.stats
-        modified = tiling.call.score_mod is not None
-        at_zero = not (modified or pieces[0][0].masked)
-        softmax = self.softmax(at_zero)
-        for i, (piece, mask) in enumerate(pieces):
+    def walk(self, plan: UnitPlan) -> OnlineSoftmax:
+        """Add the plan's pieces (each with its run of rows, its masked rows and their mask,
+        True = disallowed, or None) in order: from the shift 0 where no ``score_mod`` applies,
+        and again from the exact step if that shift did not hold."""
+        if self.worker.tiling.call.score_mod is None:
+            softmax = self.walk_from(plan, at_zero=True)
+            if softmax is not None:
+                return softmax
+        return self.walk_from(plan, at_zero=False)
+
+    def walk_from(self, plan: UnitPlan, at_zero: bool) -> OnlineSoftmax | None:
+        """The walk, every row starting at the shift 0 if ``at_zero``; None if that shift did
+        not hold: a row that meets an allowed key ends with a sum below ``LAZY_FLOOR``
+        (checked after the first piece already when that piece is full and meets every row,
+        so that scores far below zero waste one piece, not the whole walk)."""
+        stats = self.worker.stats
+        _, first_run, _, first_mask = plan.pieces[0]
+        early = at_zero and first_mask is None and first_run == slice(0, self.length)
+        softmax, checked = self.softmax(at_zero), False
+        for i, (piece, run, masked, mask) in enumerate(plan.pieces):
             keys, values = piece.gather(self.key), piece.gather(self.value)
-            if softmax.all_started:
-                scores = self.scores(keys, piece, mask)
+            if softmax.started_in(run):
+                scores = self.scores(keys, piece, run, masked, mask)
                 if softmax.moved:  # else every shift is 0: nothing to subtract
-                    softmax.subtract_shift(scores)
-                first_at_zero = i == 0 and at_zero
-                if softmax.lazy_step(scores, values, mask) and (
-                    not first_at_zero or softmax.sums_hold()
-                ):
+                    softmax.subtract_shift(scores, run)
+                if softmax.lazy_step(scores, values, mask, run, masked):
+                    if i == 0 and early:
+                        if not softmax.sums_hold():
+                            stats.redone += 1
+                            return None
+                        checked = True
                     continue
                 stats.redone += 1
-                if first_at_zero:  # the shift 0 did not hold: start without it
-                    softmax = self.softmax(False)
-            scores = self.scores(keys, piece, mask)
+                if i == 0 and at_zero:  # the shift 0 does not hold: start without it
+                    return None
+            scores = self.scores(keys, piece, run, masked, mask)
             if mask is not None:  # replaced: a score_mod's NaN is hidden
-                np.copyto(scores, scores.dtype.type(-np.inf), where=mask)
-            softmax.exact_step(scores, values, masked=mask is not None)
+                np.copyto(scores[..., masked, :], scores.dtype.type(-np.inf), where=mask)
+            softmax.exact_step(scores, values, mask is not None, run)
+        if at_zero and not checked and not softmax.sums_hold(among=plan.met):
+            stats.redone += len(plan.pieces)
+            return None
         return softmax
+
+    @property
+    def length(self) -> int:
+        """Rows per query head: the unit's queries."""
+        return self.q_tile.shape[2]
 
     def softmax(self, at_zero: bool) -> OnlineSoftmax:
         """A fresh online softmax of the unit's rows."""
@@ -390,27 +430,40 @@ class _Unit:
             tiling.exp,
             tiling.exp is np.exp2,
             at_zero,
+            groups=self.rows // self.length,
         )
 
-    def scores(self, keys: np.ndarray, piece: Piece, mask) -> np.ndarray:
-        """A piece's modified scores ``(1, heads, t1 - t0, keys)`` in the worker's buffer, its
-        mask not applied: ``keys`` ``(n, keys, Dk)`` are the ``n`` key heads' gathered keys."""
+    def scores(self, keys: np.ndarray, piece: Piece, run: slice, masked: slice, mask):
+        """A piece's modified scores ``(1, heads, r, keys)`` of the rows ``run`` of each query
+        head, in the worker's buffer, the mask (of the rows ``masked`` of the run) not
+        applied: ``keys`` ``(n, keys, Dk)`` are the ``n`` key heads' gathered keys."""
         call = self.worker.tiling.call
         problem = call.problem
-        b, h, t0, t1 = self.where
-        n = self.q_tile.shape[0]
-        scores = self.worker.space.scores_view((n, self.rows // n, keys.shape[1]))
+        b, h, t0, _ = self.where
+        n, G, length, Dk = self.q_tile.shape
+        r, width = run.stop - run.start, keys.shape[1]
+        scores = self.worker.space.scores[: n * G * r * width].reshape(n, G, r, width)
+        keys_t = keys.transpose(0, 2, 1)  # (n, Dk, keys)
         with overflow_checked(problem):
-            np.matmul(self.q_tile, np.swapaxes(keys, -1, -2), out=scores)
-        scores = scores.reshape(1, len(h), t1 - t0, -1)
+            if r == length:  # (n, G' rows, Dk) @ (n, Dk, keys): one product per key head
+                q = self.q_tile.reshape(n, G * r, Dk)
+                np.matmul(q, keys_t, out=scores.reshape(n, G * r, width))
+            else:  # the run's rows of each query head
+                np.matmul(self.q_tile[:, :, run], keys_t[:, None], out=scores)
+        scores = scores.reshape(1, len(h), r, width)
+        allowed = True
+        if mask is not None and (problem.may_overflow or self.top is not None):
+            allowed = np.ones((r, width), dtype=bool)  # rows outside `masked`: all allowed
+            np.logical_not(mask, out=allowed[masked])
         if problem.may_overflow:  # then the scores are in base e
-            check_overflow(problem, scores, None if mask is None else ~mask, None)
+            check_overflow(problem, scores, None if mask is None else allowed, None)
         if call.score_mod is not None:
-            scores = apply_score_mod(call, scores, [b], h, range(t0, t1), piece.cols())
+            q_idx = range(t0 + run.start, t0 + run.stop)
+            scores = apply_score_mod(call, scores, [b], h, q_idx, piece.cols())
         if self.top is not None:  # one maximum per row over the allowed scores (NaN stays)
-            allowed = True if mask is None else ~mask
-            top = np.max(scores, axis=-1, initial=-np.inf, where=allowed).reshape(self.rows)
-            np.maximum(self.top, top, out=self.top)
+            top = np.max(scores, axis=-1, initial=-np.inf, where=allowed)[0]  # (heads, r)
+            running = self.top.reshape(len(h), length)[:, run]
+            np.maximum(running, top, out=running)
         return scores
 
 

@@ -523,7 +523,8 @@ def test_a_piece_whose_scores_leap_above_the_shift_is_computed_again(rng, dtype)
     # against every other. A query block's full blocks, its first piece, pass at the shift 0
     # (row sums 16 m); its diagonal block, at that shift, would add exp(50) > e ** 20 =
     # e ** LAZY_MARGIN: that piece is computed again with a new shift, in every query block
-    # but the first (whose diagonal block is its only piece, computed with row maxima).
+    # (4 units of one query block each: 4 heads' worth of blocks are too few to make taller
+    # units, see sdpa.tiles.blocks.query_blocks_per_unit).
     T, bs = 64, 16
     k = np.eye(T)[None, None]
     q, v = 400 * k, normal(rng, 1, 1, T, 3)
@@ -532,7 +533,7 @@ def test_a_piece_whose_scores_leap_above_the_shift_is_computed_again(rng, dtype)
     out, lse = flex_attention_tiled(
         *(x.astype(dtype) for x in (q, k, v)), block_mask=mask, return_lse=True, stats=stats
     )
-    assert stats.redone == T // bs - 1
+    assert (stats.units, stats.redone) == (T // bs, T // bs)
     want_out, want_lse = explicit(q, k, v, allowed=lambda b, h, i, j: i >= j)
     assert_close(out, want_out, TOL[dtype])
     assert_close(lse, want_lse, TOL[dtype])
@@ -732,17 +733,17 @@ def test_auto_follows_its_rule_with_the_units_the_tiled_path_makes(B, Hkv, G, T,
 
 @pytest.mark.parametrize("gqa", [False, True])
 def test_a_unit_takes_several_heads_when_the_mask_is_the_same_for_all(rng, gqa):
-    # 8 query heads (4 key heads under GQA), 4 query blocks of 128: 32 (16) units of one key
-    # head; sdpa.tuning.MIN_UNITS = 16 lets a unit take 2 key heads (1 under GQA), within the
-    # UNIT_SCORES of even the longest row
-    Hkv = 4 if gqa else 8
-    q = normal(rng, 1, 8, 512, 8, dtype=np.float32)
+    # 32 query heads (16 key heads under GQA), one query block of 128: 32 (16) units of one
+    # key head; sdpa.tuning.MIN_UNITS = 16 lets a unit take 2 key heads (1 under GQA), within
+    # the UNIT_SCORES of the row
+    Hkv = 16 if gqa else 32
+    q = normal(rng, 1, 32, 128, 8, dtype=np.float32)
     k, v = (
-        normal(rng, 1, Hkv, 512, 8, dtype=np.float32),
-        normal(rng, 1, Hkv, 512, 4, dtype=np.float32),
+        normal(rng, 1, Hkv, 128, 8, dtype=np.float32),
+        normal(rng, 1, Hkv, 128, 4, dtype=np.float32),
     )
-    shared = create_block_mask(_causal, None, None, 512, 512)
-    per_head = create_block_mask(_causal, None, 8, 512, 512)  # the same mask, head by head
+    shared = create_block_mask(_causal, None, None, 128, 128)
+    per_head = create_block_mask(_causal, None, 32, 128, 128)  # the same mask, head by head
     spy, stats = ShapeSpy(), FlexStats()
     folded = flex_attention_tiled(q, k, v, spy, shared, enable_gqa=gqa, stats=stats)
     assert stats.units == 16
@@ -1218,3 +1219,26 @@ def test_the_reference_path_refuses_what_memory_cannot_hold():
 def test_the_public_names():
     for name in ("flex_attention", "create_block_mask", "BlockMask"):
         assert name in sdpa.__all__ and getattr(sdpa, name) is not None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_that_see_no_key_do_not_undo_the_shift_zero(rng, dtype):
+    # Query padding: the rows from 40 on see no key at all (out 0, lse -inf). Every unit starts
+    # at the shift 0 and checks its rows' sums at the end: rows that meet no allowed key are
+    # left out of that check (their sum is 0 by rights), so no unit is walked again.
+    T, S = 64, 48
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx < 40) & (kv_idx <= q_idx + 8)
+
+    q, k, v = normal(rng, 1, 2, T, 8), normal(rng, 1, 2, S, 8), normal(rng, 1, 2, S, 3)
+    mask = create_block_mask(mask_mod, None, None, T, S, BLOCK_SIZE=16)
+    stats = FlexStats()
+    out, lse = flex_attention_tiled(
+        *(x.astype(dtype) for x in (q, k, v)), block_mask=mask, return_lse=True, stats=stats
+    )
+    assert stats.redone == 0 and stats.masked > 0
+    want_out, want_lse = explicit(q, k, v, allowed=mask_mod)
+    assert_close(out, want_out, TOL[dtype])
+    assert_close(lse, want_lse, TOL[dtype])
+    assert np.all(out[:, :, 40:] == 0) and np.all(np.isneginf(lse[:, :, 40:]))

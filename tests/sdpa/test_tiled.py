@@ -1065,13 +1065,20 @@ class CountingExp:
         (dict(window=(10, 0)), 16, [(26, 16), (26, 16), (26, 16), (16, 16)]),
         # Causal, bottom-right aligned with 32 queries over 64 keys (query i sees keys up to
         # i + 32): keys 0:32 meet every row, keys 32:48 the rows 0:32 too, keys 48:64 rows 16:32.
-        (dict(is_causal=True, causal_alignment="bottom_right", t=32), 16,
-         [(32, 16), (32, 16), (32, 16), (16, 16)]),
+        (
+            dict(is_causal=True, causal_alignment="bottom_right", t=32),
+            16,
+            [(32, 16), (32, 16), (32, 16), (16, 16)],
+        ),
     ],
 )
 def test_a_piece_computes_only_the_rows_its_keys_are_allowed_to(rng, kw, block_k, pieces):
     t = kw.pop("t", 64)
-    q, k, v = rng.standard_normal((t, 8)), rng.standard_normal((64, 8)), rng.standard_normal((64, 3))
+    q, k, v = (
+        rng.standard_normal((t, 8)),
+        rng.standard_normal((64, 8)),
+        rng.standard_normal((64, 3)),
+    )
     exp = CountingExp()
     problem = prepare_attention(q, k, v, **kw)
     out, lse = attention_tiled(problem, block_q=64, block_k=block_k, exp=exp, num_threads=1)

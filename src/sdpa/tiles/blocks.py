@@ -1,14 +1,17 @@
 """The flex face's plan: a block mask's rows cut into pieces, the units, and the plan cache.
 
 A block mask (:class:`sdpa.BlockMask`) says what each block of ``(Bq, Bk)`` scores holds:
-empty, full or partial (``EMPTY``, ``FULL``, ``PARTIAL``). The units of
-a row of query blocks skip the empty blocks entirely; the plan of a row (``RowPlan``)
-gathers its full blocks into pieces and its partial blocks into other pieces, each of at most
-``block_k`` keys (whole blocks, one at least), with the mask of each partial piece evaluated
-once. Full and partial blocks go into separate pieces so that every operation on a piece's
-scores runs on a contiguous tile (the columns of a partial block inside a wider tile are a
-strided view, on which NumPy copied through buffers: at T = S = 4096, 8 heads of width 64,
-float32, one thread, 2-core Xeon, the causal call spent 4 % of its time in those copies).
+empty, full or partial (``EMPTY``, ``FULL``, ``PARTIAL``). A unit takes a run of consecutive
+query blocks (``query_blocks_per_unit()``) and skips the empty blocks entirely. Its plan
+(``UnitPlan``) gives each key block the run of the unit's query blocks it meets (under a causal
+mask, the query blocks from the diagonal down), gathers the key blocks that are full for the
+same run into pieces, and those with partial blocks into strips or pieces of their own, each
+of at most ``block_k`` keys (whole blocks, one at least), with the mask of each partial piece
+evaluated once, on its partial blocks only. Full and partial blocks go into separate pieces so
+that every operation on a piece's scores runs on a contiguous tile (the columns of a partial
+block inside a wider tile are a strided view, on which NumPy copied through buffers: at
+T = S = 4096, 8 heads of width 64, float32, one thread, 2-core Xeon, the causal call spent
+4 % of its time in those copies).
 
 Units whose rows of the block mask are equal (every head of a mask created with ``H=None``)
 share one plan, kept beside the block mask for its later calls (``plans_beside()``).
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mask import FULL, PARTIAL, BlockMask, evaluate_mask_mod
-from ..tuning import MIN_UNITS, UNIT_SCORES
+from ..block_mask import EMPTY, FULL, PARTIAL, BlockMask, evaluate_mask_mod
+from ..tuning import BLOCK_ROWS_FULL, MIN_UNITS, UNIT_SCORES
 
 __all__: list[str] = []
 
@@ -70,48 +73,178 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class RowPlan:
-    """What the units of one row of the block mask do (the row of a batch entry, a head and a
-    query block): its pieces, the full ones first, each with its mask (True = disallowed;
-    None for a piece of full blocks)."""
+class UnitPlan:
+    """What the units of a run of rows of the block mask do (a batch entry, a head and
+    consecutive query blocks): their pieces, each with the *run* of the unit's rows it meets
+    and, for a piece with partial blocks, the rows of the run that ``mask_mod`` applies to
+    (``masked``) and their mask (True = disallowed, ``(masked rows, keys)``); a piece of full
+    blocks has the mask None. The pieces that every row meets, of full blocks, come first."""
 
     computed: int  # non-empty blocks
     partial: int  # partial ones
-    pieces: tuple[tuple[Piece, np.ndarray | None], ...]  # the masks read-only: plans are shared
+    pieces: tuple[tuple[Piece, slice, slice, np.ndarray | None], ...]  # masks read-only: shared
+    met: np.ndarray | None  # (rows,) bool: the rows that meet an allowed key; None if all do
 
     @property
     def nbytes(self) -> int:
         """The bytes of its masks."""
-        return sum(mask.nbytes for _, mask in self.pieces if mask is not None)
+        return sum(mask.nbytes for *_, mask in self.pieces if mask is not None)
 
 
-def row_plan(
-    kinds_row: np.ndarray,
+def unit_plan(
+    kinds_rows: np.ndarray,
     mask_mod,
     bh: tuple[int, int],
     rows: range,
+    block_q: int,
     block_kv: int,
     S: int,
     block_k,
-) -> RowPlan:
-    """The plan of one row ``kinds_row`` ``(n_kv,)`` of a block mask, for batch entry and
-    head ``bh`` and the queries ``rows``: pieces of at most ``block_k`` keys (whole blocks)."""
+    strip_keys: int | None = None,
+) -> UnitPlan:
+    """The plan of the rows ``kinds_rows`` ``(R, n_kv)`` of a block mask (consecutive query
+    blocks), for batch entry and head ``bh`` and the queries ``rows``.
+
+    A key block meets the query blocks whose block of it is not empty: under a causal mask,
+    the query blocks from the diagonal down, so that a unit of several query blocks walks
+    its diagonal as a staircase of strips. A key block that meets query blocks apart meets
+    each run of them in a piece of its own. Key blocks that meet the same run and are full
+    there are gathered into pieces of at most ``block_k`` keys (whole blocks), the longest
+    runs first; then the others, in the order of the keys: gathered by equal runs into pieces
+    of at most ``block_k`` keys, or with ``strip_keys`` into strips of at most that many keys
+    (and ``block_k``) whose runs overlap (a strip also computes, masked, the blocks of its rows that are not
+    its own: under a causal mask, half of the diagonal square of each strip). ``mask_mod``
+    is evaluated once per piece, on its partial blocks only.
+    """
+    full: dict[tuple[int, int], list[int]] = {}
+    other: list[tuple[int, int, int]] = []  # (key block, first and stop query block met)
+    for j in np.flatnonzero(kinds_rows.any(axis=0)).tolist():
+        met = np.flatnonzero(kinds_rows[:, j])
+        for run in np.split(met, np.flatnonzero(np.diff(met) > 1) + 1):
+            ra, rb = int(run[0]), int(run[-1]) + 1
+            if (kinds_rows[ra:rb, j] == FULL).all():
+                full.setdefault((ra, rb), []).append(j)
+            else:
+                other.append((j, ra, rb))
     per_piece = max(1, block_k // block_kv)
-    pieces = []
-    for kind in (FULL, PARTIAL):  # a row's first finite score spares the rest the empty-row care
-        blocks = np.flatnonzero(kinds_row == kind).tolist()
-        for first in range(0, len(blocks), per_piece):
-            piece = Piece.of(blocks[first : first + per_piece], kind == PARTIAL, block_kv, S)
-            mask = None
-            if piece.masked:
-                mask = ~evaluate_mask_mod(mask_mod, [bh[0]], [bh[1]], rows, piece.cols())
-                mask.flags.writeable = False
-            pieces.append((piece, mask))
-    return RowPlan(
-        computed=int(np.count_nonzero(kinds_row)),
-        partial=int(np.count_nonzero(kinds_row == PARTIAL)),
-        pieces=tuple(pieces),
+    groups = [
+        [(j, ra, rb) for j in blocks[first : first + per_piece]]
+        for (ra, rb), blocks in sorted(full.items(), key=lambda g: (g[0][0] - g[0][1], g[0][0]))
+        for first in range(0, len(blocks), per_piece)
+    ]
+    if strip_keys:
+        groups += _strips(other, max(1, min(strip_keys, block_k) // block_kv))
+    else:
+        same: dict[tuple[int, int], list[int]] = {}
+        for j, ra, rb in other:
+            same.setdefault((ra, rb), []).append(j)
+        groups += [
+            [(j, ra, rb) for j in blocks[first : first + per_piece]]
+            for (ra, rb), blocks in same.items()
+            for first in range(0, len(blocks), per_piece)
+        ]
+    maker = _PieceMaker(kinds_rows, mask_mod, bh, rows, block_q, block_kv, S)
+    pieces = tuple(maker.piece(group) for group in groups)
+    return UnitPlan(
+        computed=int(np.count_nonzero(kinds_rows)),
+        partial=int(np.count_nonzero(kinds_rows == PARTIAL)),
+        pieces=pieces,
+        met=_rows_met(pieces, len(rows)),
     )
+
+
+def _rows_met(pieces, length: int) -> np.ndarray | None:
+    """``(length,)`` bool: the rows that some piece allows a key; None if every row."""
+    met = np.zeros(length, dtype=bool)
+    for _, run, masked, mask in pieces:
+        rows = met[run]
+        if mask is None:
+            rows[:] = True
+            continue
+        rows[: masked.start] = True  # the run's rows outside `masked` see full blocks only
+        rows[masked.stop :] = True
+        rows[masked] |= ~mask.all(axis=1)
+    if met.all():
+        return None
+    met.flags.writeable = False
+    return met
+
+
+def _strips(runs: list[tuple[int, int, int]], most: int) -> list[list[tuple[int, int, int]]]:
+    """The key blocks' runs ``(j, ra, rb)`` (in the order of ``j``) gathered greedily into
+    strips of at most ``most`` key blocks, each its key block once, whose runs of query blocks
+    overlap or touch (so that their union is one run)."""
+    strips: list[list[tuple[int, int, int]]] = []
+    for j, ra, rb in runs:
+        last = strips[-1] if strips else None
+        if (
+            last is not None
+            and len(last) < most
+            and last[-1][0] < j
+            and max(ra, min(r[1] for r in last)) <= min(rb, max(r[2] for r in last))
+        ):
+            last.append((j, ra, rb))
+        else:
+            strips.append([(j, ra, rb)])
+    return strips
+
+
+class _PieceMaker:
+    """Makes a unit's pieces from groups of key blocks' runs ``(j, ra, rb)``."""
+
+    def __init__(self, kinds_rows, mask_mod, bh, rows: range, block_q, block_kv, S):
+        self.kinds, self.mask_mod, self.bh, self.rows = kinds_rows, mask_mod, bh, rows
+        self.block_q, self.block_kv, self.S = block_q, block_kv, S
+
+    def start(self, r: int) -> int:
+        """The unit's row where its query block ``r`` starts."""
+        return min(r * self.block_q, len(self.rows))
+
+    def piece(
+        self, group: list[tuple[int, int, int]]
+    ) -> tuple[Piece, slice, slice, np.ndarray | None]:
+        """``(piece, run, masked, mask)`` of the key blocks of ``group``, each over its own run
+        of query blocks: the piece's run is their union, where a block outside a key block's
+        own run counts as empty (disallowed)."""
+        ua, ub = min(g[1] for g in group), max(g[2] for g in group)
+        kinds = np.full((ub - ua, len(group)), EMPTY, dtype=self.kinds.dtype)
+        for c, (j, ra, rb) in enumerate(group):
+            kinds[ra - ua : rb - ua, c] = self.kinds[ra:rb, j]
+        cols = [j for j, _, _ in group]
+        piece = Piece.of(cols, not (kinds == FULL).all(), self.block_kv, self.S)
+        run = slice(self.start(ua), self.start(ub))
+        if not piece.masked:
+            return piece, run, slice(None), None
+        crossed = np.flatnonzero((kinds != FULL).any(axis=1))
+        pa, pb = ua + int(crossed[0]), ua + int(crossed[-1]) + 1
+        masked = slice(self.start(pa) - run.start, self.start(pb) - run.start)
+        queries = self.rows[self.start(pa) : self.start(pb)]
+        return piece, run, masked, self.mask(kinds[pa - ua : pb - ua], queries, piece)
+
+    def mask(self, kinds, queries: range, piece: Piece) -> np.ndarray:
+        """``(queries, keys)`` bool, True = disallowed: ``mask_mod`` on the partial blocks
+        (``kinds``, ``(query blocks, key blocks)``), evaluated a row of blocks at a time and
+        never on another block; full blocks allowed, empty ones disallowed."""
+        bq, block_kv = self.block_q, self.block_kv
+        widths = [
+            min(s1, b + block_kv) - b for s0, s1 in piece.spans for b in range(s0, s1, block_kv)
+        ]
+        ends = np.cumsum([0, *widths])  # where each key block starts in the piece, and the end
+        cols = piece.cols()
+        mask = np.zeros((len(queries), cols.size), dtype=bool)
+        for a in range(kinds.shape[0]):
+            for c in np.flatnonzero(kinds[a] == EMPTY):
+                mask[a * bq : (a + 1) * bq, ends[c] : ends[c + 1]] = True
+            partial = np.flatnonzero(kinds[a] == PARTIAL)
+            if partial.size:
+                at = np.concatenate([np.arange(ends[c], ends[c + 1]) for c in partial])
+                block_rows = queries[a * bq : (a + 1) * bq]
+                allowed = evaluate_mask_mod(
+                    self.mask_mod, [self.bh[0]], [self.bh[1]], block_rows, cols[at]
+                )
+                mask[a * bq : a * bq + len(block_rows), at] = ~allowed[0, 0]
+        mask.flags.writeable = False
+        return mask
 
 
 def mask_row(kinds: np.ndarray, b: int, h: int, m: int) -> tuple[int, int, int]:
@@ -119,11 +252,24 @@ def mask_row(kinds: np.ndarray, b: int, h: int, m: int) -> tuple[int, int, int]:
     return (b if kinds.shape[0] > 1 else 0, h if kinds.shape[1] > 1 else 0, m)
 
 
+def query_blocks_per_unit(B: int, Hkv: int, G: int, kinds: np.ndarray, block_q: int) -> int:
+    """Consecutive query blocks per unit: as many as make up to ``BLOCK_ROWS_FULL`` rows (the
+    ``G`` query heads of a key head counted, or one head when the mask depends on the head),
+    as long as the call keeps ``MIN_UNITS`` units. Depends on the shapes alone, not on the
+    threads."""
+    n_q = kinds.shape[2]
+    heads = B * Hkv * (G if kinds.shape[1] > 1 else 1)  # units per run of query blocks
+    rows = block_q * (1 if kinds.shape[1] > 1 else G)  # a block's rows in a unit
+    most = max(1, min(BLOCK_ROWS_FULL.values()) // rows)
+    return int(max(1, min(most, n_q, heads * n_q // MIN_UNITS)))
+
+
 def unit_list(
     B: int, Hkv: int, G: int, kinds: np.ndarray, block_q: int, block_kv: int
-) -> list[tuple[int, int, int, int, int, int]]:
-    """``(b, hk0, hk1, g0, g1, query_block)`` of every unit: the query heads ``g0:g1`` of the
-    key heads ``hk0:hk1``; head after head, and the query blocks of a head the costliest first.
+) -> list[tuple[int, int, int, int, int, int, int]]:
+    """``(b, hk0, hk1, g0, g1, m0, m1)`` of every unit: the query blocks ``m0:m1``
+    (:func:`query_blocks_per_unit` of them) of the query heads ``g0:g1`` of the key heads
+    ``hk0:hk1``; head after head, and the units of a head the costliest first.
 
     A unit holds one key head, unless the mask does not depend on the head: then it folds in
     as many key heads as :func:`key_heads_per_unit` allows (the fold depends on the shapes and
@@ -136,29 +282,31 @@ def unit_list(
     float32, one thread) took about 3 % more CPU time. Within a head the costliest come first,
     so the last units of the call are short.
     """
+    n_q = kinds.shape[2]
+    per_unit = query_blocks_per_unit(B, Hkv, G, kinds, block_q)
+    runs = [(m, min(n_q, m + per_unit)) for m in range(0, n_q, per_unit)]
     nonempty = np.count_nonzero(kinds, axis=-1)  # (1 or B, 1 or Hq, n_q)
     units = []
     if kinds.shape[1] > 1:  # the mask depends on the head
-        for b, hk, g, m in itertools.product(range(B), range(Hkv), range(G), range(kinds.shape[2])):
-            cost = int(nonempty[mask_row(kinds, b, hk * G + g, m)])
-            units.append((cost, (b, hk, hk + 1, g, g + 1, m)))
+        for b, hk, g, (m0, m1) in itertools.product(range(B), range(Hkv), range(G), runs):
+            b_, h_, _ = mask_row(kinds, b, hk * G + g, 0)
+            cost = int(nonempty[b_, h_, m0:m1].sum())
+            units.append((cost, (b, hk, hk + 1, g, g + 1, m0, m1)))
     else:
-        for b, m in itertools.product(range(B), range(kinds.shape[2])):
-            cost = int(nonempty[mask_row(kinds, b, 0, m)])
-            fold = int(
-                key_heads_per_unit(B, Hkv, G, kinds.shape[2], np.array(cost), block_q, block_kv)
-            )
+        for b, (m0, m1) in itertools.product(range(B), runs):
+            cost = int(nonempty[b if kinds.shape[0] > 1 else 0, 0, m0:m1].sum())
+            fold = int(key_heads_per_unit(B, Hkv, G, len(runs), np.array(cost), block_q, block_kv))
             for hk in range(0, Hkv, fold):
-                units.append((cost, (b, hk, min(Hkv, hk + fold), 0, G, m)))
+                units.append((cost, (b, hk, min(Hkv, hk + fold), 0, G, m0, m1)))
     units.sort(key=lambda u: (u[1][0], u[1][1], u[1][3], -u[0]))  # by (b, hk0, g0), then cost
     return [u[1] for u in units]
 
 
-def key_heads_per_unit(B, Hkv, G, n_q, cost: np.ndarray, block_q: int, block_kv: int):
-    """Key heads per unit for rows of the mask with ``cost`` non-empty blocks (an array), when
-    the mask does not depend on the head: within ``UNIT_SCORES`` scores and ``MIN_UNITS``
-    units (see :mod:`sdpa.tuning`)."""
-    most = max(1, B * Hkv * n_q // MIN_UNITS)
+def key_heads_per_unit(B, Hkv, G, n_runs, cost: np.ndarray, block_q: int, block_kv: int):
+    """Key heads per unit for units with ``cost`` non-empty blocks (an array), when the mask
+    does not depend on the head and the query blocks are cut into ``n_runs`` runs: within
+    ``UNIT_SCORES`` scores and ``MIN_UNITS`` units (see :mod:`sdpa.tuning`)."""
+    most = max(1, B * Hkv * n_runs // MIN_UNITS)
     scores = np.maximum(1, cost * (block_kv * G * block_q))  # per key head
     return np.maximum(1, np.minimum(min(Hkv, most), UNIT_SCORES // scores))
 
@@ -166,10 +314,13 @@ def key_heads_per_unit(B, Hkv, G, n_q, cost: np.ndarray, block_q: int, block_kv:
 def unit_count(B: int, Hkv: int, G: int, kinds: np.ndarray, block_q: int, block_kv: int) -> int:
     """``len(unit_list(...))``, without listing them."""
     n_q = kinds.shape[2]
+    per_unit = query_blocks_per_unit(B, Hkv, G, kinds, block_q)
+    n_runs = -(-n_q // per_unit)
     if kinds.shape[1] > 1:
-        return B * Hkv * G * n_q
-    cost = np.count_nonzero(kinds[:, 0], axis=-1)  # (1 or B, n_q)
-    per_row = -(-Hkv // key_heads_per_unit(B, Hkv, G, n_q, cost, block_q, block_kv))
+        return B * Hkv * G * n_runs
+    nonempty = np.count_nonzero(kinds[:, 0], axis=-1)  # (1 or B, n_q)
+    cost = np.add.reduceat(nonempty, np.arange(0, n_q, per_unit), axis=-1)  # (1 or B, n_runs)
+    per_row = -(-Hkv // key_heads_per_unit(B, Hkv, G, n_runs, cost, block_q, block_kv))
     return int(per_row.sum()) * (B // kinds.shape[0])
 
 

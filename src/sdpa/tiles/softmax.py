@@ -205,11 +205,12 @@ class OnlineSoftmax:
         """Whether every row of ``run`` (of every group) has its shift set."""
         return self.all_started or bool(self.state(run)[3].all())
 
-    def subtract_shift(self, s: np.ndarray) -> None:
+    def subtract_shift(self, s: np.ndarray, run: slice = ALL) -> None:
         """``s -= m`` row by row, for a face that does not fold the shift into its product;
-        ``s`` is ``(..., keys)`` with the unit's rows in order."""
-        s2 = s.reshape(self.rows, -1)
-        np.subtract(s2, self.m[:, None], out=s2)
+        ``s`` is ``(..., keys)`` with the rows ``run`` of each group in order."""
+        m = self.by_group[0][:, run]
+        s3 = s.reshape(*m.shape, s.shape[-1])
+        np.subtract(s3, m[..., None], out=s3)
 
     def lazy_step(
         self, p: np.ndarray, values: np.ndarray, disallowed=None, run: slice = ALL, masked=ALL
@@ -304,11 +305,14 @@ class OnlineSoftmax:
         np.matmul(p.reshape(n, rows // n, keys), values, out=out)
         return out
 
-    def sums_hold(self, run: slice = ALL) -> bool:
+    def sums_hold(self, run: slice = ALL, among: np.ndarray | None = None) -> bool:
         """Whether a unit started at zero may keep it: every row has ``l >= LAZY_FLOOR`` (NaN
-        fails too); with ``run``, only those rows of each group. Checked after the first
-        piece, for the rows it allowed some key, and at the end, for all."""
+        fails too); with ``run``, only those rows of each group, and with ``among`` (bools
+        over the rows of a group) only those (the rows that meet an allowed key at all).
+        Checked after the first piece, for the rows it allowed some key, and at the end."""
         l = self.state(run)[1]
+        if among is not None:
+            l = l[:, among]
         return l.size == 0 or bool(l.min() >= LAZY_FLOOR)
 
     def finish(self, out: np.ndarray, sinks: np.ndarray | None = None):

@@ -212,9 +212,9 @@ def test_tile_plan_sizes():
     # 16 threads: 8 blocks per head of 250 rows (G 250 = 1000 rows)
     G, block_q, _ = tile_plan_sizes(big, num_threads=16)
     assert G * block_q == max(rows, G * 250)
-    assert tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=1)[2] == BLOCK_K[
-        big.work_dtype
-    ]
+    assert (
+        tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=1)[2] == BLOCK_K[big.work_dtype]
+    )
     # Without a band the rows grow towards BLOCK_ROWS_FULL, while every thread gets a unit:
     # 4 outer heads (2 batch entries x 2 key heads) and 8 threads give 2 blocks per head.
     G, block_q, _ = tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=8)

@@ -126,15 +126,17 @@ def test_steps_on_a_run_of_rows_of_each_group_base_2():
     np.testing.assert_array_equal(sm.l, [1, 3, 5, 1, 3, 5])
     np.testing.assert_array_equal(sm.acc[:, 0], [1, 7, 13, 10, 70, 130])
     assert sm.started_in(slice(2, 3)) and sm.started_in()
-    sm.exact_step(np.array([3.0, 5.0]).reshape(2, 1, 1, 1), np.array([[[2.0]], [[20.0]]]),
-                  run=slice(2, 3))
+    sm.exact_step(
+        np.array([3.0, 5.0]).reshape(2, 1, 1, 1), np.array([[[2.0]], [[20.0]]]), run=slice(2, 3)
+    )
     # Rows 2 and 5: shift 0 -> 3 and 0 -> 5; old sums times 2^-3 and 2^-5, plus 1.
     np.testing.assert_array_equal(sm.m, [0, 0, 3, 0, 0, 5])
     np.testing.assert_array_equal(sm.l, [1, 3, 5 / 8 + 1, 1, 3, 5 / 32 + 1])
     np.testing.assert_array_equal(sm.acc[:, 0], [1, 7, 13 / 8 + 2, 10, 70, 130 / 32 + 20])
     out, lse, m, _ = finished(sm)
-    np.testing.assert_allclose(out[:, 0], [1, 7 / 3, 3.625 / 1.625, 10, 70 / 3, 24.0625 / 1.15625],
-                               **TIGHT)
+    np.testing.assert_allclose(
+        out[:, 0], [1, 7 / 3, 3.625 / 1.625, 10, 70 / 3, 24.0625 / 1.15625], **TIGHT
+    )
     np.testing.assert_allclose(lse, np.log([1, 3, 13, 1, 3, 37]), **TIGHT)  # m ln 2 + ln l
 
 
