@@ -112,9 +112,9 @@ def unit_plan(
     there are gathered into pieces of at most ``block_k`` keys (whole blocks), the longest
     runs first; then the others, in the order of the keys: gathered by equal runs into pieces
     of at most ``block_k`` keys, or with ``strip_keys`` into strips of at most that many keys
-    (and ``block_k``) whose runs overlap (a strip also computes, masked, the blocks of its rows that are not
-    its own: under a causal mask, half of the diagonal square of each strip). ``mask_mod``
-    is evaluated once per piece, on its partial blocks only.
+    (and ``block_k``) whose runs are nested (a strip also computes, masked, the blocks of its
+    rows that are not its own: under a causal mask, half of the diagonal square of each
+    strip). ``mask_mod`` is evaluated once per piece, on its partial blocks only.
     """
     full: dict[tuple[int, int], list[int]] = {}
     other: list[tuple[int, int, int]] = []  # (key block, first and stop query block met)
@@ -173,19 +173,18 @@ def _rows_met(pieces, length: int) -> np.ndarray | None:
 def _strips(runs: list[tuple[int, int, int]], most: int) -> list[list[tuple[int, int, int]]]:
     """The key blocks' runs ``(j, ra, rb)`` (in the order of ``j``) gathered greedily into
     strips of at most ``most`` key blocks, each its key block once, whose runs of query blocks
-    overlap or touch (so that their union is one run)."""
+    are nested: the strip's run is one of them (under a causal mask the runs of neighbouring
+    key blocks end together). Runs that merely overlap (a sliding window's) stay apart: their
+    union would compute blocks of query rows that neither key block meets."""
     strips: list[list[tuple[int, int, int]]] = []
     for j, ra, rb in runs:
         last = strips[-1] if strips else None
-        if (
-            last is not None
-            and len(last) < most
-            and last[-1][0] < j
-            and max(ra, min(r[1] for r in last)) <= min(rb, max(r[2] for r in last))
-        ):
-            last.append((j, ra, rb))
-        else:
-            strips.append([(j, ra, rb)])
+        if last is not None and len(last) < most and last[-1][0] < j:
+            ua, ub = min(r[1] for r in last), max(r[2] for r in last)
+            if (ua <= ra and rb <= ub) or (ra <= ua and ub <= rb):
+                last.append((j, ra, rb))
+                continue
+        strips.append([(j, ra, rb)])
     return strips
 
 

@@ -187,6 +187,26 @@ def test_strips_never_join_runs_that_do_not_touch():
     np.testing.assert_array_equal(plan.met[2:4], [False, False])
 
 
+def test_strips_never_join_runs_that_only_overlap():
+    # A sliding window: key block 0 meets query blocks 0:2, key block 1 query blocks 1:3. The
+    # runs overlap but neither holds the other: a strip of both would compute 3 query blocks
+    # for each. Key block 2 meets query block 2 alone, inside key block 1's run: one strip.
+    kinds = np.array(
+        [
+            [PARTIAL, EMPTY, EMPTY],
+            [PARTIAL, PARTIAL, EMPTY],
+            [EMPTY, PARTIAL, PARTIAL],
+        ]
+    )
+    plan = unit_plan(
+        kinds, mod, (0, 0), range(6), block_q=2, block_kv=2, S=6, block_k=6, strip_keys=4
+    )
+    assert [(p.spans, run) for p, run, *_ in plan.pieces] == [
+        (((0, 2),), slice(0, 4)),
+        (((2, 6),), slice(2, 6)),
+    ]
+
+
 def test_rows_a_mask_mod_disallows_entirely_meet_no_key():
     # One query block of 4 rows, two partial key blocks: rows 1 and 3 allowed nothing.
     kinds = np.array([[PARTIAL, PARTIAL]])
