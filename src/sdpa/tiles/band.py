@@ -207,9 +207,15 @@ def heads_per_unit(
         return int(max(1, min(-(-heads // threads), BLOCK_ROWS_FULL.get(dtype, 1024) // rows)))
     if problem.band == (None, None):
         return 1
-    # flex's rule for a mask that does not depend on the head, a row of one block of S keys
+    # flex's rule for a mask that does not depend on the head: a row of one block as wide as
+    # the widest unit's keys (S under a causal mask; the rows and the window under a window)
     n_q, lead = -(-problem.T // block_q), int(np.prod(outer[:-1], dtype=np.int64))
-    return int(key_heads_per_unit(lead, heads, G, n_q, np.array(1), block_q, problem.S))
+    band = (problem.offset, *problem.band)
+    widest = max(
+        np.subtract(*band_keys(t0, min(problem.T, t0 + block_q), problem.S, *band)[::-1])
+        for t0 in range(0, problem.T, block_q)
+    )
+    return int(key_heads_per_unit(lead, heads, G, n_q, np.array(1), block_q, max(1, widest)))
 
 
 def unit_outer(problem: AttentionProblem, G: int) -> tuple[int, ...]:
