@@ -35,13 +35,13 @@ rng = np.random.default_rng(0)
 
 def tiles(n=2048, rounds=3):
     grid = {
-        np.float32: [(128, 256), (128, 512), (256, 256), (256, 512), (512, 512), (256, 1024)],
-        np.float64: [(64, 512), (128, 256), (128, 512), (256, 256), (256, 512), (512, 256)],
+        np.float32: [(256, 256), (256, 512), (512, 256), (512, 512), (1024, 256), (1024, 512)],
+        np.float64: [(128, 256), (256, 256), (256, 512), (512, 256), (1024, 256), (1024, 512)],
     }
     for dtype, configs in grid.items():
         for is_causal in (False, True):
-            rows = tuning.BLOCK_ROWS if is_causal else tuning.BLOCK_ROWS_FULL  # the defaults
-            default = (rows[np.dtype(dtype)], tuning.BLOCK_K[np.dtype(dtype)])
+            keys = tuning.BLOCK_K_BAND if is_causal else tuning.BLOCK_K  # the defaults, one thread
+            default = (tuning.BLOCK_ROWS_FULL[np.dtype(dtype)], keys[np.dtype(dtype)])
             q, k, v = (rng.standard_normal((n, 64)).astype(dtype) for _ in range(3))
             problem = prepare_attention(q, k, v, None, is_causal)
             best = {c: np.inf for c in configs}

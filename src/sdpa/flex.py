@@ -30,10 +30,10 @@ as ``sdpa.tuning.UNIT_SCORES`` and ``MIN_UNITS`` allow):
 3. ``score_mod`` on those scores; the partial pieces' masks, from ``mask_mod`` (evaluated once
    per block mask and kept beside it, on the rows holding a partial block), zero their
    disallowed terms;
-4. the engine's online softmax across the pieces, the full ones first: a unit whose first
-   piece is full and meets every row starts at the shift 0, later pieces take the lazy step,
-   each checked by its row sums and computed again by the exact step in the rare case that
-   fails.
+4. the engine's online softmax across the pieces, the full ones first: without a
+   ``score_mod`` a unit starts at the shift 0, its pieces take the lazy step, each checked by
+   its row sums and computed again by the exact step in the rare case that fails, and the
+   unit is walked again if a row's scores all lie too far below 0.
 
 Without a ``score_mod`` the scores are computed in base 2 where ``exp2`` is the faster
 exponential (:func:`sdpa.tuning.tile_exponential`). Without a block mask the units and pieces
@@ -110,11 +110,12 @@ class FlexStats(Counts):
         are computed (and masked) only where a strip of partial blocks crosses them (under
         a causal mask, above the diagonal blocks).
     redone : int
-        Pieces computed twice. A unit's first piece of full blocks takes the shift 0 for
-        every row, and a later piece each row's present shift (the online softmax's lazy
-        steps), unless a row's scores end up too far above it, or (for the shift 0) all too
-        far below it (by ``sdpa.tuning.LAZY_MARGIN``); then the piece is computed again with
-        the row maxima as the shift.
+        Pieces computed twice. Without a ``score_mod`` a unit starts every row at the shift 0,
+        and each piece takes the rows' present shifts (the online softmax's lazy steps),
+        unless a row's scores end up too far above them (by ``sdpa.tuning.LAZY_MARGIN``):
+        then the piece is computed again with the row maxima as the shift. A unit in which a
+        row that meets an allowed key has all its scores too far below 0 is walked again
+        from the exact step, each of its pieces counted.
 
     Examples
     --------
