@@ -443,7 +443,7 @@ class _Unit:
         b, h, t0, _ = self.where
         n, G, length, Dk = self.q_tile.shape
         r, width = run.stop - run.start, keys.shape[1]
-        scores = self.worker.space.scores[: n * G * r * width].reshape(n, G, r, width)
+        scores = self.worker.space.scores_view((n, G, r, width))
         keys_t = keys.transpose(0, 2, 1)  # (n, Dk, keys)
         with overflow_checked(problem):
             if r == length:  # (n, G' rows, Dk) @ (n, Dk, keys): one product per key head

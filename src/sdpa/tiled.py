@@ -428,8 +428,7 @@ class _Unit:
 
     def scores(self, s0: int, s1: int, r: int) -> np.ndarray:
         """The scores buffer viewed as the tile ``(n, G, r, s1 - s0)`` of ``r`` rows per head."""
-        n, G = self.n, self.plan.G
-        return self.space.scores[: n * G * r * (s1 - s0)].reshape(n, G, r, s1 - s0)
+        return self.space.scores_view((self.n, self.plan.G, r, s1 - s0))
 
     def lazy_step(self, s0: int, s1: int, run: slice, disallowed, masked: slice) -> bool:
         """Add the keys ``s0:s1`` to the rows ``run`` at their present shifts (the engine's
