@@ -20,7 +20,7 @@ import numpy as np
 from ._checks import available_memory
 from .problem import AttentionProblem
 from .threads import default_num_threads
-from .tiles.band import head_groups, tile_plan_sizes
+from .tiles.band import block_key_spans, head_groups, tile_plan_sizes
 from .tiles.blocks import unit_count
 
 __all__ = [
@@ -184,12 +184,7 @@ def tiling_geometry(
             outer * F * T * S,
             min(num_threads, max(units, 1)),
         )
-    t0 = np.arange(0, T, bq, dtype=np.int64)  # the first query of each block
-    t1 = np.minimum(t0 + bq, T)
-    lo, hi = problem.band
-    start = np.zeros_like(t0) if lo is None else np.maximum(0, t0 + problem.offset + lo)
-    stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + problem.offset + hi)
-    stop = np.maximum(start, stop)
+    t0, t1, start, stop = block_key_spans(T, S, bq, problem.offset, *problem.band)
     n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
     units = groups * t0.size
     tiles = outer * int(n_tiles.sum())

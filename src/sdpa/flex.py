@@ -71,7 +71,7 @@ from .flex_call import (
 from .problem import check_overflow, overflow_checked
 from .softmax_stable import softmax_and_lse
 from .threads import default_num_threads
-from .tiles.band import unit_rows
+from .tiles.band import allowed_in_run, unit_rows
 from .tiles.blocks import Piece, PlanCache, UnitPlan, mask_row, plans_beside, unit_list, unit_plan
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import LN2, LOG2E, OnlineSoftmax, Workspace
@@ -454,8 +454,7 @@ class _Unit:
         scores = scores.reshape(1, len(h), r, width)
         allowed = True
         if mask is not None and (problem.may_overflow or self.top is not None):
-            allowed = np.ones((r, width), dtype=bool)  # rows outside `masked`: all allowed
-            np.logical_not(mask, out=allowed[masked])
+            allowed = allowed_in_run((r, width), mask, masked)
         if problem.may_overflow:  # then the scores are in base e
             check_overflow(problem, scores, None if mask is None else allowed, None)
         if call.score_mod is not None:

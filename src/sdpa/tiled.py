@@ -83,6 +83,7 @@ from .problem import AttentionProblem, check_overflow, mark_poisoned
 from .threads import default_num_threads
 from .tiles.band import (
     BandTiles,
+    allowed_in_run,
     band_keys,
     heads_per_unit,
     key_block_range,
@@ -483,9 +484,8 @@ class _Unit:
             np.subtract(rows, unfolded[..., None], out=rows)
         if check:
             allowed = None
-            if disallowed is not None:  # the rows of the run outside `masked` are all allowed
-                allowed = np.ones(scores.shape, dtype=bool)
-                np.logical_not(disallowed, out=allowed[..., masked, :])
+            if disallowed is not None:
+                allowed = allowed_in_run(scores.shape, disallowed, masked)
             check_overflow(self.plan.problem, scores, allowed, bias)
         if disallowed is not None:
             np.copyto(scores[..., masked, :], -np.inf, where=disallowed)

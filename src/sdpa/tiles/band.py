@@ -42,6 +42,25 @@ def band_keys(t0: int, t1: int, S: int, offset: int, lo, hi) -> tuple[int, int]:
     return start, max(start, stop)
 
 
+def block_key_spans(T: int, S: int, block_q: int, offset: int, lo, hi):
+    """``(t0, t1, start, stop)`` of every block of ``block_q`` queries, as int64 arrays: its
+    queries ``t0:t1`` and the keys ``start:stop`` the band allows to one of them at least
+    (:func:`band_keys` for all the blocks at once)."""
+    t0 = np.arange(0, T, block_q, dtype=np.int64)
+    t1 = np.minimum(t0 + block_q, T)
+    start = np.zeros_like(t0) if lo is None else np.maximum(0, t0 + offset + lo)
+    stop = np.full_like(t0, S) if hi is None else np.minimum(S, t1 + offset + hi)
+    return t0, t1, start, np.maximum(start, stop)
+
+
+def allowed_in_run(shape: tuple[int, ...], disallowed: np.ndarray, masked: slice) -> np.ndarray:
+    """``shape`` bool, ``(..., r, keys)``: True where a piece's scores of a run of ``r`` rows are
+    allowed, from ``disallowed`` on its rows ``masked`` (the run's other rows: all allowed)."""
+    allowed = np.ones(shape, dtype=bool)
+    np.logical_not(disallowed, out=allowed[..., masked, :])
+    return allowed
+
+
 def key_block_range(t0: int, t1: int, S: int, block_k: int, offset: int, lo, hi):
     """Indices ``(first, stop)`` of the key blocks that the band allows for queries ``t0:t1``."""
     start, stop = band_keys(t0, t1, S, offset, lo, hi)
@@ -210,11 +229,10 @@ def heads_per_unit(
     # flex's rule for a mask that does not depend on the head: a row of one block as wide as
     # the widest unit's keys (S under a causal mask; the rows and the window under a window)
     n_q, lead = -(-problem.T // block_q), int(np.prod(outer[:-1], dtype=np.int64))
-    band = (problem.offset, *problem.band)
-    widest = max(
-        np.subtract(*band_keys(t0, min(problem.T, t0 + block_q), problem.S, *band)[::-1])
-        for t0 in range(0, problem.T, block_q)
+    _, _, start, stop = block_key_spans(
+        problem.T, problem.S, block_q, problem.offset, *problem.band
     )
+    widest = int((stop - start).max())
     return int(key_heads_per_unit(lead, heads, G, n_q, np.array(1), block_q, max(1, widest)))
 
 

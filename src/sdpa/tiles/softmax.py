@@ -203,7 +203,7 @@ class OnlineSoftmax:
 
     def started_in(self, run: slice = ALL) -> bool:
         """Whether every row of ``run`` (of every group) has its shift set."""
-        return self.all_started or bool(self.state(run)[3].all())
+        return self.all_started or bool(self.by_group[3][:, run].all())
 
     def subtract_shift(self, s: np.ndarray, run: slice = ALL) -> None:
         """``s -= m`` row by row, for a face that does not fold the shift into its product;

@@ -16,7 +16,9 @@ from sdpa.block_mask import EMPTY, FULL, PARTIAL
 from sdpa.problem import prepare_attention
 from sdpa.tiles.band import (
     BandTiles,
+    allowed_in_run,
     band_keys,
+    block_key_spans,
     fold_axis,
     key_block_range,
     partial_rows,
@@ -125,6 +127,26 @@ def test_partial_rows_hold_every_row_the_band_s_edge_crosses(g):
     # crossed ones)
     where = np.flatnonzero(crossed)
     assert (got.start, got.stop) == (where[0], where[-1] + 1)
+
+
+@SETTINGS
+@given(g=geometry(), block_q=st.integers(1, 5))
+def test_block_key_spans_are_every_block_s_band_keys(g, block_q):
+    T, S, offset, lo, hi, _ = g
+    t0, t1, start, stop = block_key_spans(T, S, block_q, offset, lo, hi)
+    assert t0.tolist() == list(range(0, T, block_q))
+    assert t1.tolist() == [min(T, a + block_q) for a in range(0, T, block_q)]
+    for a, b, s0, s1 in zip(t0, t1, start, stop):
+        keys = band_keys(int(a), int(b), S, offset, lo, hi)
+        assert (s0, s1) == keys or (s0 == s1 and keys[0] == keys[1])  # empty: any place
+
+
+def test_allowed_in_run_allows_the_rows_outside_the_masked_ones():
+    disallowed = np.array([[True, False], [False, False]])  # rows 1 and 2 of a run of 4
+    got = allowed_in_run((3, 4, 2), disallowed, slice(1, 3))
+    want = np.ones((4, 2), bool)
+    want[1:3] = ~disallowed
+    np.testing.assert_array_equal(got, np.broadcast_to(want, (3, 4, 2)))
 
 
 def test_partial_rows_of_a_causal_strip():
