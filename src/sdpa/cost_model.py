@@ -22,6 +22,7 @@ from .problem import AttentionProblem
 from .threads import default_num_threads
 from .tiles.band import block_key_spans, head_groups, tile_plan_sizes
 from .tiles.blocks import unit_count
+from .tuning import BLOCK_K_DIAGONAL
 
 __all__ = [
     "CACHE_BYTES",
@@ -132,7 +133,10 @@ TILED_COST = MappingProxyType(
 
 
 def tiling_geometry(
-    problem: AttentionProblem, block_q: int | None = None, block_k: int | None = None
+    problem: AttentionProblem,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    block_diagonal: int | None = None,
 ) -> tuple[int, int, int, int, int]:
     """The work the tiled path would do for ``problem``, from the shapes alone.
 
@@ -140,7 +144,7 @@ def tiling_geometry(
     ----------
     problem : AttentionProblem
         From :func:`sdpa.problem.prepare_attention`.
-    block_q, block_k : int, optional
+    block_q, block_k, block_diagonal : int, optional
         Tile sizes, as in :func:`sdpa.tiled.attention_tiled` (default: its defaults).
 
     Returns
@@ -186,17 +190,45 @@ def tiling_geometry(
         )
     t0, t1, start, stop = block_key_spans(T, S, bq, problem.offset, *problem.band)
     n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
+    n_steps = n_tiles.copy()
+    scores = _band_scores(t0, t1, start, stop, n_tiles, bk, problem)
+    if block_diagonal is None:
+        block_diagonal = BLOCK_K_DIAGONAL.get(problem.work_dtype, 0)
+    if problem.allowed is None and problem.bias is None:
+        squares = _square_counts(t0, t1, S, bk, block_diagonal, problem)
+        if squares is not None:
+            square, sq_tiles, sq_steps, sq_scores = squares
+            n_tiles = np.where(square, sq_tiles, n_tiles)
+            n_steps = np.where(square, sq_steps, n_steps)
+            scores = np.where(square, sq_scores, scores)
     units = groups * t0.size
     tiles = outer * int(n_tiles.sum())
-    steps = groups * int(n_tiles.sum())
-    scores = outer * F * _band_scores(t0, t1, start, stop, n_tiles, bk, problem)
-    return units, tiles, steps, scores, min(num_threads, max(units, 1))
+    steps = groups * int(n_steps.sum())
+    return units, tiles, steps, outer * F * int(scores.sum()), min(num_threads, max(units, 1))
 
 
-def _band_scores(t0, t1, start, stop, n_tiles, bk: int, problem: AttentionProblem) -> int:
-    """The scores one head's pieces compute under the band: each piece (keys ``s0:s1`` of a
-    block's ``start:stop``, cut at multiples of ``bk``) times the rows it meets (those whose
-    band reaches one of its keys), summed over every block's pieces at once."""
+def _square_counts(t0, t1, S: int, bk: int, d: int, problem: AttentionProblem):
+    """For the blocks of rows that walk their causal diagonal in squares of ``bk`` rows, in
+    pieces of ``d`` keys (:func:`sdpa.tiles.band.unit_pieces`): ``(square, tiles, steps,
+    scores)``, int64 arrays over the blocks (``square`` bool: the blocks that do), one head's
+    counts; None when no block can."""
+    lo, hi = problem.band
+    if lo is not None or hi is None or not 0 < d < bk or bk % d:
+        return None
+    rows, k0 = t1 - t0, t0 + problem.offset + hi  # row t0 + y meets the keys up to k0 + y
+    square = (rows % bk == 0) & (k0 >= 0) & (k0 + rows <= S)
+    nb, left = rows // bk, -(-np.maximum(k0, 0) // bk)  # squares; pieces before the diagonal
+    steps = bk // d + (nb - 1) + left
+    tiles = nb * (bk // d) + (nb - 1) + left
+    scores = rows * k0 + bk * bk * (nb - 1) * nb // 2 + nb * bk * (bk + d) // 2
+    return square, tiles, steps, scores
+
+
+def _band_scores(t0, t1, start, stop, n_tiles, bk: int, problem: AttentionProblem):
+    """The scores one head's pieces compute under the band, walked in strips, for each block
+    of rows (int64 array): each piece (keys ``s0:s1`` of a block's ``start:stop``, cut at
+    multiples of ``bk``) times the rows it meets (those whose band reaches one of its keys),
+    summed over every block's pieces at once."""
     block = np.repeat(np.arange(t0.size), n_tiles)  # the block of each piece
     first_piece = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
     b = start[block] // bk + np.arange(block.size) - first_piece  # the piece's key block
@@ -208,7 +240,8 @@ def _band_scores(t0, t1, start, stop, n_tiles, bk: int, problem: AttentionProble
         r0 = np.maximum(r0, s0 - problem.offset - hi)
     if lo is not None:  # row i starts at key i + offset + lo <= s1 - 1
         r1 = np.minimum(r1, s1 - problem.offset - lo)
-    return int((np.maximum(0, r1 - r0) * (s1 - s0)).sum())
+    per_piece = np.maximum(0, r1 - r0) * (s1 - s0)
+    return np.bincount(block, weights=per_piece, minlength=t0.size).astype(np.int64)
 
 
 def estimated_times(

@@ -82,21 +82,21 @@ from .masks import alignment_offset, band_limits
 from .problem import AttentionProblem, check_overflow, mark_poisoned
 from .threads import default_num_threads
 from .tiles.band import (
+    BandPiece,
     BandTiles,
     allowed_in_run,
-    band_keys,
     heads_per_unit,
     key_block_range,
     partial_rows,
-    rows_meeting,
     tile_kind,
     tile_plan_sizes,
     unit_outer,
+    unit_pieces,
 )
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import ALL, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
-from .tuning import FOLD_LIMIT, tile_exponential
+from .tuning import BLOCK_K_DIAGONAL, FOLD_LIMIT, tile_exponential
 
 __all__ = ["TileStats", "attention_tiled", "tile_map"]
 
@@ -273,6 +273,7 @@ class _Plan:
     n: int  # heads (entries of the last outer axis) per unit
     block_q: int
     block_k: int
+    diagonal: int  # keys of a piece inside the squares of a causal diagonal (0: strips only)
     dtype: np.dtype
     may_overflow: bool  # check every tile's scores for overflow (see attention.check_overflow)
     problem: AttentionProblem  # for error messages
@@ -285,6 +286,7 @@ def _make_plan(
     problem: AttentionProblem,
     block_q,
     block_k,
+    block_diagonal,
     num_threads,
     with_stats=False,
     exp=None,
@@ -349,6 +351,7 @@ def _make_plan(
         n=heads_per_unit(problem, G, block_q, outer, num_threads),
         block_q=int(block_q),
         block_k=int(block_k),
+        diagonal=BLOCK_K_DIAGONAL.get(dtype, 0) if block_diagonal is None else block_diagonal,
         dtype=dtype,
         may_overflow=problem.may_overflow,
         problem=problem,
@@ -419,68 +422,95 @@ class _Unit:
             space, rows, plan.Dv, plan.exp, plan.base2, at_zero, groups=n * G
         )
 
-    def shift_columns(self, run: slice) -> tuple[np.ndarray, np.ndarray]:
-        """``(folded, unfolded)`` of the rows ``run`` of each folded head, ``(n G, r)`` views:
-        ``-m`` where a row's shift is folded into ``q_shifted`` (its last column), else 0;
-        ``m`` where it is subtracted after the product instead, else 0."""
-        groups, bq = self.n * self.plan.G, self.t1 - self.t0
-        folded = self.q_heads.reshape(groups, bq, -1)[:, run, -1]
-        return folded, self.unfolded.reshape(groups, bq)[:, run]
+    def shift_columns(self, run: slice, parts: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """``(folded, unfolded)`` of the rows ``run`` of each folded head (of each of its
+        ``parts`` squares), ``(n G parts, r)`` views: ``-m`` where a row's shift is folded
+        into ``q_shifted`` (its last column), else 0; ``m`` where it is subtracted after the
+        product instead, else 0."""
+        groups, length = self.n * self.plan.G * parts, (self.t1 - self.t0) // parts
+        folded = self.q_heads.reshape(groups, length, -1)[:, run, -1]
+        return folded, self.unfolded.reshape(groups, length)[:, run]
 
-    def scores(self, s0: int, s1: int, r: int) -> np.ndarray:
-        """The scores buffer viewed as the tile ``(n, G, r, s1 - s0)`` of ``r`` rows per head."""
-        return self.space.scores_view((self.n, self.plan.G, r, s1 - s0))
+    def scores(self, piece: BandPiece) -> np.ndarray:
+        """The scores buffer viewed as the piece's tile: ``(n, G, r, keys)`` of ``r`` rows per
+        head, or ``(n, G, parts, r, keys)`` of ``r`` rows per square."""
+        r, keys, parts = piece.run.stop - piece.run.start, piece.s1 - piece.s0, piece.parts
+        squares = (parts,) if parts > 1 else ()
+        return self.space.scores_view((self.n, self.plan.G, *squares, r, keys))
 
-    def lazy_step(self, s0: int, s1: int, run: slice, disallowed, masked: slice) -> bool:
-        """Add the keys ``s0:s1`` to the rows ``run`` at their present shifts (the engine's
-        lazy step); False if not exact."""
-        scores = self.scores(s0, s1, run.stop - run.start)
-        self.shifted_scores(scores, s0, s1, run, folded=True)
-        return self.softmax.lazy_step(scores, self.v[:, s0:s1], disallowed, run, masked)
+    def values(self, piece: BandPiece) -> np.ndarray:
+        """The piece's values: ``(n, keys, Dv)``, or ``(n, 1, parts, keys, Dv)`` by square."""
+        if piece.parts == 1:
+            return self.v[:, piece.s0 : piece.s1]
+        return self.by_square(self.v, piece)[:, None]
 
-    def exact_step(self, s0: int, s1: int, run: slice, disallowed, masked: slice) -> None:
+    def by_square(self, a: np.ndarray, piece: BandPiece) -> np.ndarray:
+        """``(n, parts, keys, D)`` view of ``a`` ``(n, S, D)``: the piece's keys of each square
+        (square ``b``'s ``w b`` keys after the first's, ``w`` the squares' width)."""
+        n, _, D = a.shape
+        w = (self.t1 - self.t0) // piece.parts
+        a0, k0 = piece.run.start, piece.s0 - piece.run.start  # k0: the first square's first key
+        squares = a[:, k0 : k0 + w * piece.parts].reshape(n, piece.parts, w, D)
+        return squares[:, :, a0 : a0 + piece.s1 - piece.s0]
+
+    def lazy_step(self, piece: BandPiece, disallowed, masked: slice) -> bool:
+        """Add the piece's keys to its rows at their present shifts (the engine's lazy step);
+        False if not exact."""
+        scores = self.scores(piece)
+        self.shifted_scores(scores, piece, folded=True)
+        softmax, values = self.softmax, self.values(piece)
+        return softmax.lazy_step(scores, values, disallowed, piece.run, masked, piece.parts)
+
+    def exact_step(self, piece: BandPiece, disallowed, masked: slice) -> None:
         """The engine's exact step on the raw scores (nothing folded in, so in base e they are
         rounded exactly as the reference path rounds them); then the new shifts of the rows
         ``run`` are folded into ``q_shifted`` where that is exact and kept in ``unfolded``
         for the others."""
-        plan, scores = self.plan, self.scores(s0, s1, run.stop - run.start)
-        self.shifted_scores(scores, s0, s1, run, False, disallowed, masked, plan.may_overflow)
-        self.softmax.exact_step(scores, self.v[:, s0:s1], disallowed is not None, run)
-        m = self.softmax.state(run)[0]
+        plan, scores, run, parts = self.plan, self.scores(piece), piece.run, piece.parts
+        self.shifted_scores(scores, piece, False, disallowed, masked, plan.may_overflow)
+        values, masks = self.values(piece), disallowed is not None
+        self.softmax.exact_step(scores, values, masks, run, parts)
+        m = self.softmax.state(run, parts)[0]
         small = np.abs(m) <= plan.fold_limit  # rows whose shift can be folded in exactly
-        folded, unfolded = self.shift_columns(run)
+        folded, unfolded = self.shift_columns(run, parts)
         np.copyto(folded, np.where(small, -m, 0))
         np.copyto(unfolded, np.where(small, 0, m))
-        whole = run.stop - run.start == self.t1 - self.t0
+        whole = (run.stop - run.start) * parts == self.t1 - self.t0
         self.any_folded = bool(small.any()) or (self.any_folded and not whole)
         self.any_unfolded = bool(self.unfolded.any())
 
     def shifted_scores(
-        self, scores, s0, s1, run, folded, disallowed=None, masked=ALL, check=False
+        self, scores, piece, folded, disallowed=None, masked=ALL, check=False
     ) -> None:
-        """``scores = scale * q k^T + bias`` on the tile ``(n, G, r, bk)`` of the keys ``s0:s1``
-        and the rows ``run``, less each row's shift ``m`` if ``folded`` (``m`` is folded into
-        the product or subtracted after it), disallowed entries (of the rows ``masked`` of the
-        run) set to ``-inf``. With ``check``, the raw scores are checked for overflow first."""
-        n, G, r, bk = scores.shape
-        if folded and self.any_folded:
-            if self.k1_t is None:
-                self.k1_t = self.space.keys_with_ones(self.k).transpose(0, 2, 1)
-            q, keys = self.q_shifted, self.k1_t[:, :, s0:s1]  # (n, Dk + 1, bk)
-        else:
-            q, keys = self.q_shifted[..., :-1], self.k_t[:, :, s0:s1]
-        if r == self.t1 - self.t0:  # (n, G bq, Dk [+ 1]) @ (n, Dk [+ 1], bk): one per key head
+        """``scores = scale * q k^T + bias`` on the piece's tile (:meth:`scores`), less each
+        row's shift ``m`` if ``folded`` (``m`` is folded into the product or subtracted after
+        it), disallowed entries (of the rows ``masked`` of the run) set to ``-inf``. With
+        ``check``, the raw scores are checked for overflow first."""
+        s0, s1, run, parts = piece
+        n, G, r, bk = scores.shape[0], scores.shape[1], *scores.shape[-2:]
+        ones = folded and self.any_folded
+        if ones and self.k1_t is None:
+            self.k1_t = self.space.keys_with_ones(self.k).transpose(0, 2, 1)
+        if parts > 1:  # (n, G, parts, r, Dk [+ 1]) @ (n, 1, parts, Dk [+ 1], bk)
+            q = self.q_heads if ones else self.q_heads[..., :-1]
+            q = q.reshape(n, G, parts, -1, q.shape[-1])[:, :, :, run]
+            keys = self.by_square(self.space.k1[:n] if ones else self.k, piece)
+            np.matmul(q, keys.swapaxes(-1, -2)[:, None], out=scores)
+        elif r == self.t1 - self.t0:  # (n, G bq, Dk [+ 1]) @ (n, Dk [+ 1], bk): one per key head
+            q = self.q_shifted if ones else self.q_shifted[..., :-1]
+            keys = (self.k1_t if ones else self.k_t)[:, :, s0:s1]
             np.matmul(q, keys, out=scores.reshape(n, G * r, bk))
         else:  # the run's rows of each head: (n, G, r, Dk [+ 1]) @ (n, 1, Dk [+ 1], bk)
-            q = self.q_heads if q is self.q_shifted else self.q_heads[..., :-1]
+            q = self.q_heads if ones else self.q_heads[..., :-1]
+            keys = (self.k1_t if ones else self.k_t)[:, :, s0:s1]
             np.matmul(q[:, :, run], keys[:, None], out=scores)
         t0, t1 = self.t0 + run.start, self.t0 + run.stop
-        bias = None if self.bias is None else self.bias[:, :, t0:t1, s0:s1]
+        bias = None if self.bias is None else self.bias[:, :, t0:t1, s0:s1]  # (parts 1 only)
         if bias is not None:
             np.add(scores, bias, out=scores)
         if folded and self.any_unfolded:
-            unfolded = self.shift_columns(run)[1]  # (n G, r)
-            rows = scores.reshape(n * G, r, bk)
+            unfolded = self.shift_columns(run, parts)[1]  # (n G parts, r)
+            rows = scores.reshape(n * G * parts, r, bk)
             np.subtract(rows, unfolded[..., None], out=rows)
         if check:
             allowed = None
@@ -538,44 +568,49 @@ class _Worker:
         redone: a row's sum ``l`` is below ``LAZY_FLOOR`` at the end, or already after the
         first piece for a row that met a key there (so scores far below zero waste one piece,
         not the whole walk)."""
-        plan, stats, t0, t1 = self.plan, self.stats, unit.t0, unit.t1
-        band = (plan.offset, plan.lo, plan.hi)
-        first, stop = key_block_range(t0, t1, plan.S, plan.block_k, *band)
-        key_start, key_stop = band_keys(t0, t1, plan.S, *band)
-        softmax = unit.softmax
+        plan, stats, softmax = self.plan, self.stats, unit.softmax
+        pieces = self.pieces(unit)
         checked_whole = False  # a single piece that every row met: checked after it already
-        for b in range(first, stop):
-            # The piece's keys, trimmed to the keys the band allows to some query of the block
-            # (under a causal mask the last piece of a row of pieces stops at the diagonal),
-            # and its rows: those the band allows one of its keys at least.
-            s0 = max(b * plan.block_k, key_start)
-            s1 = min((b + 1) * plan.block_k, key_stop)
-            run = rows_meeting(t0, t1, s0, s1, *band)
-            disallowed, weights, masked = self.piece_disallowed(unit, s0, s1, run)
+        for i, piece in enumerate(pieces):
+            run, tiles = piece.run, unit.n * piece.parts  # a tile of each head (and square)
+            disallowed, weights, masked = self.piece_disallowed(unit, piece)
             if disallowed is _EVERY_KEY:
-                stats.skipped_mask += unit.n  # the tile of each of the unit's heads
+                stats.skipped_mask += tiles
                 continue
-            stats.computed += unit.n
+            stats.computed += tiles
             stats.steps += 1
-            lazy = softmax.started_in(run) and not plan.may_overflow
-            if not (lazy and unit.lazy_step(s0, s1, run, weights, masked)):
-                stats.retried += lazy * unit.n
-                stats.rescaled += unit.n
-                unit.exact_step(s0, s1, run, disallowed, masked)
-            if at_zero and b == first:
-                if not softmax.sums_hold(run):
+            lazy = softmax.started_in(run, piece.parts) and not plan.may_overflow
+            if not (lazy and unit.lazy_step(piece, weights, masked)):
+                stats.retried += lazy * tiles
+                stats.rescaled += tiles
+                unit.exact_step(piece, disallowed, masked)
+            if at_zero and i == 0:
+                if not softmax.sums_hold(run, parts=piece.parts):
                     return False
-                checked_whole = stop - first == 1 and run == slice(0, t1 - t0)
+                whole = (run.stop - run.start) * piece.parts == unit.t1 - unit.t0
+                checked_whole = len(pieces) == 1 and whole
         return not at_zero or checked_whole or softmax.sums_hold()
 
-    def piece_disallowed(self, unit: _Unit, s0: int, s1: int, run: slice):
-        """``(disallowed, weights, masked)`` of the piece of keys ``s0:s1`` and rows ``run``:
-        a bool array, True where the scores of the rows ``masked`` (a slice of the run) are
-        disallowed (``(masked rows, bk)`` for the band alone, ``(n, G, r, bk)`` with the
-        user's mask), None if none is, ``_EVERY_KEY`` if the user's mask disallows the whole
-        piece (it is then skipped); and what the lazy step drops the disallowed terms by: the
-        band's weights (:class:`sdpa.tiles.band.BandTiles`), else ``disallowed``."""
+    def pieces(self, unit: _Unit) -> list[BandPiece]:
+        """The unit's pieces (:func:`sdpa.tiles.band.unit_pieces`): the keys the band allows
+        its rows, each piece for the rows its keys are allowed to; a causal diagonal in
+        squares when there is neither a mask nor a bias."""
+        plan = self.plan
+        diagonal = plan.diagonal if unit.allowed is None and unit.bias is None else 0
+        band = (plan.offset, plan.lo, plan.hi)
+        return unit_pieces(unit.t0, unit.t1, plan.S, plan.block_k, diagonal, *band)
+
+    def piece_disallowed(self, unit: _Unit, piece: BandPiece):
+        """``(disallowed, weights, masked)`` of the piece: a bool array, True where the scores
+        of the rows ``masked`` (a slice of the run) are disallowed (``(masked rows, bk)`` for
+        the band alone, the same for every square of a piece in squares; ``(n, G, r, bk)``
+        with the user's mask), None if none is, ``_EVERY_KEY`` if the user's mask disallows
+        the whole piece (it is then skipped); and what the lazy step drops the disallowed
+        terms by: the band's weights (:class:`sdpa.tiles.band.BandTiles`), else
+        ``disallowed``. (Of the first square: the others are the same shifted along the
+        diagonal.)"""
         plan, t0 = self.plan, unit.t0
+        s0, s1, run, _ = piece
         r0, r1 = t0 + run.start, t0 + run.stop
         band = (plan.offset, plan.lo, plan.hi)
         kind = tile_kind(r0, r1, s0, s1, *band)
@@ -630,6 +665,7 @@ def attention_tiled(
     *,
     block_q: int | None = None,
     block_k: int | None = None,
+    block_diagonal: int | None = None,
     num_threads: int | None = None,
     stats: TileStats | None = None,
     return_stats: bool = False,
@@ -649,6 +685,11 @@ def attention_tiled(
     block_k : int, optional
         Keys per tile; default ``BLOCK_K``, or ``BLOCK_K_BAND`` under a causal mask or a
         window (whose pieces meet only the rows their keys are allowed to).
+    block_diagonal : int, optional
+        Under a causal mask without a mask or a bias: keys per piece inside the squares of
+        ``block_k`` rows that a unit walks its diagonal in, when ``block_k`` is a multiple of
+        it and the unit's rows a multiple of ``block_k`` (:func:`sdpa.tiles.band.unit_pieces`);
+        ``0`` walks strips of ``block_k`` keys instead. Default ``BLOCK_K_DIAGONAL``.
     num_threads : int, optional
         Worker threads; default :func:`sdpa.threads.default_num_threads`.
     stats : TileStats, optional
@@ -708,6 +749,8 @@ def attention_tiled(
         block_q = check_positive_int(block_q, "block_q")
     if block_k is not None:
         block_k = check_positive_int(block_k, "block_k")
+    if block_diagonal is not None:
+        block_diagonal = check_nonneg_int(block_diagonal, "block_diagonal")
     if num_threads is not None:
         num_threads = check_positive_int(num_threads, "num_threads")
     T, S, Dv = problem.T, problem.S, problem.Dv
@@ -723,7 +766,7 @@ def attention_tiled(
         if mark:
             out, lse, _ = mark_poisoned(problem, out, lse)
         return (out, lse, m, l) if return_stats else (out, lse)
-    sizes = (problem, block_q, block_k, num_threads)
+    sizes = (problem, block_q, block_k, block_diagonal, num_threads)
     plan = _make_plan(*sizes, with_stats=return_stats, exp=exp)
     top = _run(plan, num_threads, stats)
     if values_may_be_out_of_range(top):

@@ -456,6 +456,10 @@ def test_auto_tiles_one_query_row_over_one_long_key_head(rng, spy):
         ((2, 4, 90, 8), None, dict(enable_gqa=True)),
         ((5, 40, 8), (5, 40, 40), {}),
         ((256, 40, 8), None, dict(is_causal=True)),  # 16 heads to a unit, a tile each a step
+        ((1, 3, 1024, 8), None, dict(is_causal=True)),  # diagonals in squares
+        ((2, 4, 768, 8), None, dict(is_causal=True, enable_gqa=True)),  # squares, 2 heads folded
+        ((1, 2, 512, 8), None, dict(is_causal=True, causal_alignment="bottom_right")),
+        ((2, 1024, 8), (2, 1024, 1024), dict(is_causal=True)),  # a mask: strips
     ],
 )
 def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, kw):
@@ -1122,3 +1126,98 @@ def test_a_causal_unit_redone_from_the_exact_step_covers_every_strip(rng, dtype)
     rtol = max(TOL[dtype]["rtol"], 2 * np.finfo(dtype).eps * 60)
     np.testing.assert_allclose(out, want_out, rtol=rtol, atol=TOL[dtype]["atol"])
     np.testing.assert_allclose(lse, want_lse, rtol=TOL[dtype]["rtol"])
+
+
+def squares_and_strips(problem, **kw):
+    """``(out, lse, m, l)`` and the counters of the tiled path with its causal diagonal in
+    squares (``block_diagonal`` of ``kw``) and in strips (``block_diagonal=0``)."""
+    results = []
+    for diagonal in (kw.pop("block_diagonal"), 0):
+        stats = TileStats()
+        got = attention_tiled(
+            problem, block_diagonal=diagonal, stats=stats, return_stats=True, **kw
+        )
+        results.append((got, stats))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "t, s, alignment, hkv, sinks",
+    [
+        (48, 48, "top_left", 3, False),
+        (48, 60, "bottom_right", 3, False),  # the diagonal 12 keys in
+        (48, 40, "top_left", 3, False),  # the last rows' diagonals past the keys: strips there
+        (48, 48, "top_left", 1, True),  # three query heads folded over one key head, sinks
+    ],
+)
+def test_causal_diagonal_in_squares_agrees_with_strips_and_the_reference(
+    rng, dtype, t, s, alignment, hkv, sinks
+):
+    # Units of 24 rows: squares of 8 rows (block_k), pieces of 2 keys inside them.
+    q, k, v = qkv(rng, dtype, t=t, s=s, hq=3, hkv=hkv)
+    kw = dict(causal_alignment=alignment, enable_gqa=hkv == 1)
+    if sinks:
+        kw["sinks"] = normal(rng, (3, 1))
+    problem = prepare_attention(q, k, v, None, True, **kw)
+    (squares, in_squares), (strips, in_strips) = squares_and_strips(
+        problem, block_q=24, block_k=8, block_diagonal=2
+    )
+    assert in_squares.computed > in_strips.computed  # four pieces to a square's tile
+    want = reference(q, k, v, None, True, **kw)
+    assert_same(problem.finish(squares[0], lse=squares[1]), want, dtype)
+    for a, b in zip(squares, strips):
+        np.testing.assert_allclose(a, b, **TOL[dtype])
+    # the stats of the backward pass: lse = m + log(l)
+    np.testing.assert_allclose(squares[2] + np.log(squares[3]), squares[1], **TOL[dtype])
+
+
+def test_causal_squares_redo_units_whose_scores_lie_far_below_zero(rng):
+    # Rows 0:24 have scores about -60 (too far below the shift 0): their unit is redone from
+    # the exact step, its diagonal in squares again; rows 24:48 keep the shift 0.
+    q, k, v = (normal(rng, (48, 4)) for _ in range(3))
+    k[:, 0] = 1.0
+    q[:24, 0] = -120.0  # scale 1/2: scores about -60
+    problem = prepare_attention(q, k, v, is_causal=True)
+    (squares, stats), (strips, _) = squares_and_strips(
+        problem, block_q=24, block_k=8, block_diagonal=4
+    )
+    assert (stats.units, stats.redone) == (2, 1)
+    want_out, _, want_lse = attention_loop_2d(q, k, v, np.tril(np.ones((48, 48), bool)))
+    rtol = 2 * np.finfo(np.float64).eps * 60
+    np.testing.assert_allclose(squares[0], want_out, rtol=rtol, atol=1e-12)
+    np.testing.assert_allclose(squares[1], want_lse, rtol=1e-12)
+    np.testing.assert_allclose(squares[0], strips[0], rtol=rtol, atol=1e-12)
+
+
+def test_causal_squares_with_huge_scores_fold_no_shift_they_cannot(rng):
+    # Scores near 1e6 (float64): the exact step's shifts exceed FOLD_LIMIT in some rows, which
+    # then subtract their shift after the product, in squares as in strips.
+    q, k, v = (normal(rng, (40, 4)) for _ in range(3))
+    q *= 1e3
+    k *= 1e3
+    problem = prepare_attention(q, k, v, is_causal=True)
+    (squares, stats), _ = squares_and_strips(problem, block_q=40, block_k=8, block_diagonal=4)
+    assert stats.rescaled > 0
+    want = reference(q, k, v, None, True)
+    np.testing.assert_allclose(squares[0], want[0], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(squares[1], want[1], rtol=1e-12)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_causal_squares_give_the_same_bits_on_any_thread_count(rng, num_threads):
+    q, k, v = qkv(rng, np.float32, t=64, s=64)
+    problem = prepare_attention(q, k, v, is_causal=True)
+    kw = dict(block_q=32, block_k=16, block_diagonal=4)
+    one = attention_tiled(problem, num_threads=1, **kw)
+    got = attention_tiled(problem, num_threads=num_threads, **kw)
+    for a, b in zip(one, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_block_diagonal_errors(rng):
+    problem = prepare_attention(*qkv(rng), is_causal=True)
+    with pytest.raises(ValueError, match="block_diagonal must be a non-negative integer; got -1"):
+        attention_tiled(problem, block_diagonal=-1)
+    with pytest.raises(TypeError, match="block_diagonal must be a non-negative integer; got 2.5"):
+        attention_tiled(problem, block_diagonal=2.5)

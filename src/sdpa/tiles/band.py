@@ -13,6 +13,8 @@ Shape letters: ``T`` queries, ``S`` keys, ``G`` heads folded into a unit's rows.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..block_mask import EMPTY, FULL, PARTIAL
@@ -59,6 +61,72 @@ def allowed_in_run(shape: tuple[int, ...], disallowed: np.ndarray, masked: slice
     allowed = np.ones(shape, dtype=bool)
     np.logical_not(disallowed, out=allowed[..., masked, :])
     return allowed
+
+
+class BandPiece(NamedTuple):
+    """A piece of a dense unit's walk: the keys ``s0:s1`` for the rows ``run`` (a slice of the
+    unit's rows); with ``parts > 1`` the unit's rows are cut into ``parts`` equal squares
+    along the causal diagonal and the piece takes the rows ``run`` of each square, square
+    ``b`` with the keys ``s0 + b w : s1 + b w`` (``w`` the squares' width): the same tile
+    of every square, one batched product for them all."""
+
+    s0: int
+    s1: int
+    run: slice
+    parts: int = 1
+
+
+def square_width(t0: int, t1: int, S: int, block_k: int, diagonal: int, offset: int, lo, hi):
+    """The width of the squares the unit of queries ``t0:t1`` walks its causal diagonal in,
+    or 0 when it walks strips of ``block_k`` keys (:func:`unit_pieces`).
+
+    Squares of ``block_k`` rows, when the band has an upper edge only (a causal mask), the
+    unit's rows are a whole number of squares, ``block_k`` is a multiple of ``diagonal`` (the
+    width of the pieces inside a square, smaller), and the unit's diagonal lies within the
+    keys ``0:S``."""
+    rows, k0 = t1 - t0, t0 + offset + (hi or 0)  # row t0 + y meets the keys up to k0 + y
+    if lo is not None or hi is None or not 0 < diagonal < block_k or block_k % diagonal:
+        return 0
+    if rows % block_k or k0 < 0 or k0 + rows > S:
+        return 0
+    return block_k
+
+
+def unit_pieces(
+    t0: int, t1: int, S: int, block_k: int, diagonal: int, offset: int, lo, hi
+) -> list[BandPiece]:
+    """The pieces the dense face walks for the unit of queries ``t0:t1``, in order.
+
+    By strips (``diagonal`` 0, or the unit's diagonal not in squares, see
+    :func:`square_width`): the keys the band allows some row, cut at multiples of
+    ``block_k``, each piece for the rows its keys are allowed to (:func:`rows_meeting`).
+
+    By squares of ``w = block_k`` rows along a causal diagonal (row ``t0 + y`` meets the keys
+    up to ``k0 + y``): first the squares themselves, a piece of ``diagonal`` keys at a time
+    for all squares at once (``parts``), the one at ``a`` keys into each square for its rows
+    from ``a`` on; then the strip of each square's keys for the rows below the square; then
+    the keys before the diagonal, which every row meets, at multiples of ``block_k``. The
+    masked triangle computed is then ``diagonal / 2`` keys a row rather than ``block_k / 2``.
+    """
+    band = (offset, lo, hi)
+    w = square_width(t0, t1, S, block_k, diagonal, *band)
+    if not w:
+        start, stop = band_keys(t0, t1, S, *band)
+        first, last = key_block_range(t0, t1, S, block_k, *band)
+        pieces = []
+        for b in range(first, last):
+            s0, s1 = max(b * block_k, start), min((b + 1) * block_k, stop)
+            pieces.append(BandPiece(s0, s1, rows_meeting(t0, t1, s0, s1, *band)))
+        return pieces
+    rows, k0 = t1 - t0, t0 + offset + hi
+    squares = rows // w
+    pieces = [BandPiece(k0 + a, k0 + a + diagonal, slice(a, w), squares)
+              for a in range(0, w, diagonal)]  # fmt: skip
+    pieces += [BandPiece(k0 + b * w, k0 + (b + 1) * w, slice((b + 1) * w, rows))
+               for b in range(squares - 1)]  # fmt: skip
+    pieces += [BandPiece(s0, min(s0 + block_k, k0), slice(0, rows))
+               for s0 in range(0, k0, block_k)]  # fmt: skip
+    return pieces
 
 
 def key_block_range(t0: int, t1: int, S: int, block_k: int, offset: int, lo, hi):

@@ -166,6 +166,10 @@ class OnlineSoftmax:
         ``rows / groups`` query rows long). A step may add a piece to a *run* of rows only,
         the same run of each block (``run``, a slice of ``range(rows / groups)``): a causal
         piece meets only the rows at or below the diagonal.
+
+    A step may also cut each group's rows into ``parts`` equal parts and add its piece to the
+    same run of each part (``parts``, default 1): the dense face adds the squares along a
+    causal diagonal so, one batched product for all of them.
     """
 
     def __init__(
@@ -188,22 +192,31 @@ class OnlineSoftmax:
         self.started = np.full(rows, bool(at_zero))  # rows whose shift m is set
         self.all_started = bool(at_zero)
         self.moved = False  # whether an exact step has moved a shift (else every m is 0)
-        n = self.length  # the same state, a block of rows per group
-        self.by_group = (
-            self.m.reshape(groups, n),
-            self.l.reshape(groups, n),
-            self.acc.reshape(groups, n, Dv),
-            self.started.reshape(groups, n),
-        )
+        self._views: dict[int, tuple[np.ndarray, ...]] = {}
+        self.by_group = self.views(1)
 
-    def state(self, run: slice) -> tuple[np.ndarray, ...]:
-        """Views ``(m, l, acc, started)`` of the rows ``run`` of every group: ``(groups, r)``
-        and, for ``acc``, ``(groups, r, Dv)``."""
-        return tuple(a[:, run] for a in self.by_group)
+    def views(self, parts: int) -> tuple[np.ndarray, ...]:
+        """``(m, l, acc, started)`` with each group's rows cut into ``parts`` equal parts, one
+        under the other: ``(groups parts, r)`` and, for ``acc``, ``(groups parts, r, Dv)``."""
+        views = self._views.get(parts)
+        if views is None:
+            g, n = self.groups * parts, self.length // parts
+            views = self._views[parts] = (
+                self.m.reshape(g, n),
+                self.l.reshape(g, n),
+                self.acc.reshape(g, n, self.Dv),
+                self.started.reshape(g, n),
+            )
+        return views
 
-    def started_in(self, run: slice = ALL) -> bool:
-        """Whether every row of ``run`` (of every group) has its shift set."""
-        return self.all_started or bool(self.by_group[3][:, run].all())
+    def state(self, run: slice, parts: int = 1) -> tuple[np.ndarray, ...]:
+        """Views ``(m, l, acc, started)`` of the rows ``run`` of every group (of every part of
+        it): ``(groups parts, r)`` and, for ``acc``, ``(groups parts, r, Dv)``."""
+        return tuple(a[:, run] for a in self.views(parts))
+
+    def started_in(self, run: slice = ALL, parts: int = 1) -> bool:
+        """Whether every row of ``run`` (of every group, or part) has its shift set."""
+        return self.all_started or bool(self.views(parts)[3][:, run].all())
 
     def subtract_shift(self, s: np.ndarray, run: slice = ALL) -> None:
         """``s -= m`` row by row, for a face that does not fold the shift into its product;
@@ -213,7 +226,13 @@ class OnlineSoftmax:
         np.subtract(s3, m[..., None], out=s3)
 
     def lazy_step(
-        self, p: np.ndarray, values: np.ndarray, disallowed=None, run: slice = ALL, masked=ALL
+        self,
+        p: np.ndarray,
+        values: np.ndarray,
+        disallowed=None,
+        run: slice = ALL,
+        masked=ALL,
+        parts: int = 1,
     ) -> bool:
         """Add a piece at the present shifts; False (and nothing changed but ``p``) if it is
         not exact.
@@ -221,7 +240,8 @@ class OnlineSoftmax:
         ``p`` ``(..., r, keys)`` holds the piece's scores minus each row's shift, for the rows
         ``run`` (``r`` of them) of each group, and is overwritten with ``exp(p)``; ``values``
         is ``(n, keys, Dv)``, the values of the unit's ``n`` key heads (each for an equal share
-        of the rows, in order); ``disallowed``, an array broadcastable to the rows ``masked``
+        of the rows, in order), or of as many axes as ``p`` and more than three, broadcastable
+        against it as ``(..., keys, Dv)`` (:meth:`products`); with ``parts``, ``p`` holds the run of each part; ``disallowed``, an array broadcastable to the rows ``masked``
         of ``p`` (a slice of its ``r``), marks the scores to drop (None: every score is
         allowed): bools, True where a score is disallowed, or weights of ``p``'s dtype, 0
         there and 1 elsewhere (multiplied in: a term that is NaN or infinite then stays NaN
@@ -241,23 +261,28 @@ class OnlineSoftmax:
         tile_l = self.row_sums(p)
         if not tile_l.max() <= LAZY_BOUND:  # (NaN fails too)
             return False
-        _, l, acc, _ = self.by_group
+        _, l, acc, _ = self.views(parts)
         l, acc = l[:, run], acc[:, run]
         acc += self.products(p, values).reshape(acc.shape)
         l += tile_l.reshape(l.shape)
         return True
 
     def exact_step(
-        self, s: np.ndarray, values: np.ndarray, masked: bool = False, run: slice = ALL
+        self,
+        s: np.ndarray,
+        values: np.ndarray,
+        masked: bool = False,
+        run: slice = ALL,
+        parts: int = 1,
     ) -> None:
         """Add a piece, moving each row's shift to its largest score so far.
 
         ``s`` ``(..., r, keys)`` holds the raw scores (in the base of the softmax) of the rows
-        ``run`` of each group, ``-inf`` where disallowed, and is overwritten; ``masked`` says
+        ``run`` of each group (or part), ``-inf`` where disallowed, and is overwritten; ``masked`` says
         that it may hold such ``-inf``: then, in base 2, the exponential is ``exp(x ln 2)``,
         which has no slow path for ``-inf``. ``values`` as in :meth:`lazy_step`.
         """
-        m, l, acc, started = self.state(run)
+        m, l, acc, started = self.state(run, parts)
         s3 = s.reshape(*m.shape, s.shape[-1])  # (groups, r, keys)
         row_max = np.max(s3, axis=-1)  # -inf where nothing is allowed, NaN stays NaN
         meets = row_max > -np.inf
@@ -289,7 +314,9 @@ class OnlineSoftmax:
 
     def products(self, p: np.ndarray, values: np.ndarray) -> np.ndarray:
         """``p @ v`` per key head: ``(n, rows / n, keys) @ (n, keys, Dv)``, into ``tile_out``
-        (returned, ``(n, rows / n, Dv)``).
+        (returned, ``(n, rows / n, Dv)``); or, for ``values`` of more than three axes (as
+        many as ``p``, broadcastable against its leading ones), ``p @ values``,
+        ``(..., r, Dv)``.
 
         The row sums are a matrix-vector product with ones rather than a column of ones
         appended to the values: it reads the tile once more, from cache, which costs less.
@@ -301,16 +328,20 @@ class OnlineSoftmax:
         """
         n, keys = values.shape[0], p.shape[-1]
         rows = p.size // keys
+        if values.ndim > 3:  # batched as p is
+            out = self.space.tile_out[: rows * self.Dv].reshape(*p.shape[:-1], self.Dv)
+            return np.matmul(p, values, out=out)
         out = self.space.tile_out[: rows * self.Dv].reshape(n, rows // n, self.Dv)
         np.matmul(p.reshape(n, rows // n, keys), values, out=out)
         return out
 
-    def sums_hold(self, run: slice = ALL, among: np.ndarray | None = None) -> bool:
+    def sums_hold(self, run: slice = ALL, among: np.ndarray | None = None, parts: int = 1) -> bool:
         """Whether a unit started at zero may keep it: every row has ``l >= LAZY_FLOOR`` (NaN
         fails too); with ``run``, only those rows of each group, and with ``among`` (bools
-        over the rows of a group) only those (the rows that meet an allowed key at all).
-        Checked after the first piece, for the rows it allowed some key, and at the end."""
-        l = self.state(run)[1]
+        over the rows of a group) only those (the rows that meet an allowed key at all); with
+        ``parts``, the rows ``run`` of each part. Checked after the first piece, for the rows
+        it allowed some key, and at the end."""
+        l = self.state(run, parts)[1]
         if among is not None:
             l = l[:, among]
         return l.size == 0 or bool(l.min() >= LAZY_FLOOR)

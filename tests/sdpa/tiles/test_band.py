@@ -23,8 +23,10 @@ from sdpa.tiles.band import (
     key_block_range,
     partial_rows,
     rows_meeting,
+    square_width,
     tile_kind,
     tile_plan_sizes,
+    unit_pieces,
 )
 from sdpa.tuning import BLOCK_K, BLOCK_K_BAND, BLOCK_ROWS, BLOCK_ROWS_FULL
 
@@ -242,3 +244,71 @@ def test_tile_plan_sizes():
     assert G * block_q == min(BLOCK_ROWS_FULL[big.work_dtype], G * 1000)
     G, block_q, _ = tile_plan_sizes(problem(8, 2, T=2000, S=3000), num_threads=64)
     assert G * block_q == max(rows, G * 2000 // 16)  # 16 blocks per head: at least BLOCK_ROWS
+
+
+def covered(pieces, t0, t1, S):
+    """``(t1 - t0, S)`` int: how many of the pieces compute each score of the unit's rows,
+    each square of a piece in squares at its own keys, and the pieces' key widths."""
+    count = np.zeros((t1 - t0, S), dtype=int)
+    for p in pieces:
+        w = (t1 - t0) // p.parts
+        for b in range(p.parts):
+            rows = slice(b * w + p.run.start, b * w + p.run.stop)
+            count[rows, p.s0 + b * w : p.s1 + b * w] += 1
+    return count
+
+
+@st.composite
+def causal_unit(draw):
+    """A unit of a causal-like band (upper edge only), tile sizes that may put its diagonal in
+    squares, and its band's mask."""
+    diagonal = draw(st.integers(1, 4))
+    block_k = diagonal * draw(st.integers(1, 4))
+    t0 = draw(st.integers(0, 12))
+    t1 = t0 + draw(st.sampled_from([block_k, 2 * block_k, 3 * block_k, draw(st.integers(1, 13))]))
+    T, S = t1 + draw(st.integers(0, 3)), draw(st.integers(1, 40))
+    offset, hi = draw(st.integers(-6, 6)), draw(st.integers(-3, 3))
+    return T, S, offset, hi, t0, t1, block_k, diagonal
+
+
+@SETTINGS
+@given(u=causal_unit())
+def test_unit_pieces_compute_every_allowed_score_once(u):
+    # In strips or in squares, the pieces cover each allowed score of the unit exactly once;
+    # what they compute beyond the band lies, in squares, inside the diagonal's pieces of
+    # `diagonal` keys (half a square of them per row at most), and no piece is empty.
+    T, S, offset, hi, t0, t1, block_k, diagonal = u
+    allowed = band(T, S, offset, None, hi)[t0:t1]
+    for d in (0, diagonal):
+        pieces = unit_pieces(t0, t1, S, block_k, d, offset, None, hi)
+        count = covered(pieces, t0, t1, S)
+        assert (count[allowed] == 1).all() and count.max() <= 1
+        assert all(p.s1 > p.s0 and p.run.stop > p.run.start for p in pieces)
+        wasted = (count == 1) & ~allowed
+        if square_width(t0, t1, S, block_k, d, offset, None, hi):
+            assert all(p.s1 - p.s0 == d for p in pieces if p.parts > 1)
+            assert wasted.sum(axis=1).max() <= d - 1  # the row's own sub-square, above it
+            assert len(pieces) == block_k // d + (t1 - t0) // block_k - 1 + -(
+                -(t0 + offset + hi) // block_k
+            )
+
+
+def test_unit_pieces_of_a_causal_unit_in_squares():
+    # Rows 8:16 of a causal band (offset 0, hi 0) with 16 keys: squares of 4 rows, pieces of 2
+    # keys inside them. Row 8 + y meets the keys up to 8 + y, so the diagonal starts at key 8.
+    pieces = unit_pieces(8, 16, 16, 4, 2, 0, None, 0)
+    assert [tuple(p) for p in pieces] == [
+        (8, 10, slice(0, 4), 2),  # keys 8:10 of square 0, 12:14 of square 1: all their rows
+        (10, 12, slice(2, 4), 2),  # keys 10:12 and 14:16: the rows from 2 on of each square
+        (8, 12, slice(4, 8), 1),  # square 0's keys for the rows below it
+        (0, 4, slice(0, 8), 1),  # the keys before the diagonal, every row: strips of 4
+        (4, 8, slice(0, 8), 1),
+    ]
+    assert square_width(8, 16, 16, 4, 2, 0, None, 0) == 4
+    # no squares: a window (a lower edge too), rows not a whole number of squares, the
+    # diagonal past the last key, a diagonal width that does not divide the squares'
+    assert square_width(8, 16, 16, 4, 2, 0, -5, 0) == 0
+    assert square_width(8, 14, 16, 4, 2, 0, None, 0) == 0
+    assert square_width(8, 16, 15, 4, 2, 0, None, 0) == 0
+    assert square_width(8, 16, 16, 4, 3, 0, None, 0) == 0
+    assert square_width(8, 16, 16, 4, 0, 0, None, 0) == 0

@@ -518,3 +518,32 @@ def test_calls_leave_their_buffers_to_the_next_whose_results_never_read_them(rng
         for buffer in SCRATCH._free:
             buffer.view(np.uint8).fill(0xFF)  # NaN in every float dtype
         np.testing.assert_array_equal(call(), first)
+
+
+def test_steps_on_the_same_run_of_each_part_base_2():
+    # One group of 4 rows cut into 2 parts (squares) of 2 rows: rows 0-1 and 2-3. A piece in
+    # parts adds to the same run of each part, the first part's tile with the first values,
+    # the second's with the second: (parts, r, keys) @ (parts, keys, Dv).
+    # Piece 1, every row of each part, one key: scores 0 and 1 (terms 1, 2), values 1 and 10.
+    # Piece 2, the run 1:2 of each part (rows 1 and 3), lazy: scores 2 (term 4), values 3, 30.
+    # Piece 3, the run 1:2 again, exact: scores 4 and 3, each row's new maximum.
+    sm = softmax_state(4, 1, 1, base2=True)
+    p = np.array([0.0, 0.0, 1.0, 1.0]).reshape(1, 2, 2, 1)  # (G, parts, r, keys)
+    values = np.array([[[1.0]], [[10.0]]])[None]  # (1, parts, keys, Dv)
+    assert sm.lazy_step(p, values, parts=2)
+    np.testing.assert_array_equal(sm.l, [1, 1, 2, 2])
+    np.testing.assert_array_equal(sm.acc[:, 0], [1, 1, 20, 20])
+    p = np.full((1, 2, 1, 1), 2.0)
+    assert sm.lazy_step(p, np.array([[[3.0]], [[30.0]]])[None], run=slice(1, 2), parts=2)
+    np.testing.assert_array_equal(sm.l, [1, 5, 2, 6])
+    np.testing.assert_array_equal(sm.acc[:, 0], [1, 13, 20, 140])
+    assert sm.started_in(slice(1, 2), parts=2) and sm.sums_hold(slice(0, 1), parts=2)
+    s = np.array([4.0, 3.0]).reshape(1, 2, 1, 1)
+    sm.exact_step(s, np.array([[[2.0]], [[5.0]]])[None], run=slice(1, 2), parts=2)
+    # Rows 1 and 3: shift 0 -> 4 and 0 -> 3; old sums times 2^-4 and 2^-3, plus 1.
+    np.testing.assert_array_equal(sm.m, [0, 4, 0, 3])
+    np.testing.assert_array_equal(sm.l, [1, 5 / 16 + 1, 2, 6 / 8 + 1])
+    np.testing.assert_array_equal(sm.acc[:, 0], [1, 13 / 16 + 2, 20, 140 / 8 + 5])
+    out, lse, _, _ = finished(sm)
+    np.testing.assert_allclose(out[:, 0], [1, (13 / 16 + 2) / (21 / 16), 10, (140 / 8 + 5) / 1.75])
+    np.testing.assert_allclose(lse, np.log([1, 2**4 * 21 / 16, 2, 2**3 * 1.75]), **TIGHT)
