@@ -688,7 +688,7 @@ def attention_tiled(
     block_diagonal : int, optional
         Under a causal mask without a mask or a bias: keys per piece inside the squares of
         ``block_k`` rows that a unit walks its diagonal in, when ``block_k`` is a multiple of
-        it and the unit's rows a multiple of ``block_k`` (:func:`sdpa.tiles.band.unit_pieces`);
+        it and the unit's rows a multiple of ``block_k`` (``sdpa.tiles.band.unit_pieces``);
         ``0`` walks strips of ``block_k`` keys instead. Default ``BLOCK_K_DIAGONAL``.
     num_threads : int, optional
         Worker threads; default :func:`sdpa.threads.default_num_threads`.
