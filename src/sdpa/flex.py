@@ -23,7 +23,8 @@ as ``sdpa.tuning.UNIT_SCORES`` and ``MIN_UNITS`` allow):
 1. gather the key blocks the block mask marks non-empty, skipping the empty ones entirely:
    no product, no ``score_mod``, no ``mask_mod`` on their entries; a key block meets only the
    unit's query blocks whose block of it is not empty (under a causal mask, the query blocks
-   from the diagonal down: a staircase of strips);
+   from the diagonal down: a staircase of strips, or, when the unit's rows are squares along
+   the diagonal, the squares all at once in narrow pieces, :mod:`sdpa.tiles.blocks`);
 2. one product for the key blocks that meet the same run of query blocks and are full there,
    and one for those with *partial* blocks (each in pieces of at most ``block_k`` keys), so
    that every tile is contiguous;
@@ -76,7 +77,14 @@ from .tiles.blocks import Piece, PlanCache, UnitPlan, mask_row, plans_beside, un
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import LN2, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
-from .tuning import BLOCK_K, BLOCK_K_BAND, PIECE_KEYS, PLAN_CACHE_BYTES, tile_exponential
+from .tuning import (
+    BLOCK_K,
+    BLOCK_K_BAND,
+    BLOCK_K_DIAGONAL,
+    PIECE_KEYS,
+    PLAN_CACHE_BYTES,
+    tile_exponential,
+)
 
 __all__ = ["FlexStats", "flex_attention", "flex_attention_tiled"]
 
@@ -107,8 +115,8 @@ class FlexStats(Counts):
         block once per block mask and setting, and kept: see ``PLAN_CACHE_BYTES``.)
     skipped : int
         Blocks the block mask marks empty: no mod sees them, and without a ``score_mod`` they
-        are computed (and masked) only where a strip of partial blocks crosses them (under
-        a causal mask, above the diagonal blocks).
+        are computed (and masked) only where a strip or a square of partial blocks crosses
+        them (under a causal mask, above the diagonal).
     redone : int
         Pieces computed twice. Without a ``score_mod`` a unit starts every row at the shift 0,
         and each piece takes the rows' present shifts (the online softmax's lazy steps),
@@ -212,6 +220,7 @@ class _Tiling:
     block_kv: int  # keys per block
     block_k: int  # keys per piece, at most (at least one block)
     strip_keys: int | None  # keys per strip of partial blocks; None: pieces of equal runs
+    diagonal: int  # keys per piece of a diagonal in squares of strip_keys (0: none)
     exp: Callable  # the exponential of the pieces: numpy.exp, or numpy.exp2 on scores in base 2
     plans: PlanCache  # the plans of the mask's rows: kept beside the block mask, or the call's
     units: list  # (b, hk0, hk1, g0, g1, m0, m1) of every unit: the query blocks m0:m1
@@ -274,6 +283,7 @@ def _tiling(call: FlexCall, block_k, num_threads, v_exp=None, want_top=False) ->
         # Strips of partial blocks as wide as the dense path's under a causal mask; a strip
         # computes (masked) empty blocks beside them, which a score_mod must never see.
         strip_keys=None if call.score_mod is not None else BLOCK_K_BAND.get(call.dtype, 256),
+        diagonal=0 if call.score_mod is not None else BLOCK_K_DIAGONAL.get(call.dtype, 0),
         exp=exp,
         plans=PlanCache(PLAN_CACHE_BYTES) if bm is None else plans_beside(bm, PLAN_CACHE_BYTES),
         units=unit_list(call.B, call.Hkv, call.G, kinds, block_q, block_kv),
@@ -309,7 +319,7 @@ class _Worker:
         t0, t1 = m0 * tiling.block_q, min(call.problem.T, m1 * tiling.block_q)
         h = range(hk0 * G + g0, hk0 * G + g0 + heads)  # query heads, in order
         row = (*mask_row(tiling.kinds, b, h.start, 0)[:2], m0, m1)
-        key = (tiling.block_k, tiling.strip_keys, row)
+        key = (tiling.block_k, tiling.strip_keys, tiling.diagonal, row)
         plan = tiling.plans.get(key, lambda: self.make_plan(row, t0, t1))
         stats.units += 1
         stats.tiles += len(plan.pieces)
@@ -347,6 +357,7 @@ class _Worker:
             tiling.call.problem.S,
             tiling.block_k,
             tiling.strip_keys,
+            tiling.diagonal,
         )
 
 
@@ -392,12 +403,14 @@ class _Unit:
         early = at_zero and first_mask is None and first_run == slice(0, self.length)
         softmax, checked = self.softmax(at_zero), False
         for i, (piece, run, masked, mask) in enumerate(plan.pieces):
-            keys, values = piece.gather(self.key), piece.gather(self.value)
-            if softmax.started_in(run):
+            keys, values, parts = piece.gather(self.key), piece.gather(self.value), piece.parts
+            if parts > 1:  # (n, 1, parts, keys, Dv): each square's, for every query head
+                values = values[:, None]
+            if softmax.started_in(run, parts):
                 scores = self.scores(keys, piece, run, masked, mask)
                 if softmax.moved:  # else every shift is 0: nothing to subtract
-                    softmax.subtract_shift(scores, run)
-                if softmax.lazy_step(scores, values, mask, run, masked):
+                    softmax.subtract_shift(scores, run, parts)
+                if softmax.lazy_step(scores, values, mask, run, masked, parts):
                     if i == 0 and early:
                         if not softmax.sums_hold():
                             stats.redone += 1
@@ -410,7 +423,7 @@ class _Unit:
             scores = self.scores(keys, piece, run, masked, mask)
             if mask is not None:  # replaced: a score_mod's NaN is hidden
                 np.copyto(scores[..., masked, :], scores.dtype.type(-np.inf), where=mask)
-            softmax.exact_step(scores, values, mask is not None, run)
+            softmax.exact_step(scores, values, mask is not None, run, parts)
         if at_zero and not checked and not softmax.sums_hold(among=plan.met):
             stats.redone += len(plan.pieces)
             return None
@@ -436,34 +449,40 @@ class _Unit:
 
     def scores(self, keys: np.ndarray, piece: Piece, run: slice, masked: slice, mask):
         """A piece's modified scores ``(1, heads, r, keys)`` of the rows ``run`` of each query
-        head, in the worker's buffer, the mask (of the rows ``masked`` of the run) not
-        applied: ``keys`` ``(n, keys, Dk)`` are the ``n`` key heads' gathered keys."""
+        head (``(n, G', parts, r, keys)`` of each square, for a piece in squares), in the
+        worker's buffer, the mask (of the rows ``masked`` of the run) not applied: ``keys``
+        ``(n, keys, Dk)`` (or ``(n, parts, keys, Dk)``) are the ``n`` key heads' gathered keys."""
         call = self.worker.tiling.call
         problem = call.problem
         b, h, t0, _ = self.where
         n, G, length, Dk = self.q_tile.shape
-        r, width = run.stop - run.start, keys.shape[1]
-        scores = self.worker.space.scores_view((n, G, r, width))
-        keys_t = keys.transpose(0, 2, 1)  # (n, Dk, keys)
+        r, width, parts = run.stop - run.start, keys.shape[-2], piece.parts
+        squares = (parts,) if parts > 1 else ()
+        scores = self.worker.space.scores_view((n, G, *squares, r, width))
+        keys_t = keys.swapaxes(-1, -2)  # (n, [parts,] Dk, keys)
         with overflow_checked(problem):
-            if r == length:  # (n, G' rows, Dk) @ (n, Dk, keys): one product per key head
+            if parts > 1:  # (n, G', parts, r, Dk) @ (n, 1, parts, Dk, keys)
+                q = self.q_tile.reshape(n, G, parts, -1, Dk)[:, :, :, run]
+                np.matmul(q, keys_t[:, None], out=scores)
+            elif r == length:  # (n, G' rows, Dk) @ (n, Dk, keys): one product per key head
                 q = self.q_tile.reshape(n, G * r, Dk)
                 np.matmul(q, keys_t, out=scores.reshape(n, G * r, width))
             else:  # the run's rows of each query head
                 np.matmul(self.q_tile[:, :, run], keys_t[:, None], out=scores)
-        scores = scores.reshape(1, len(h), r, width)
+        if parts == 1:
+            scores = scores.reshape(1, len(h), r, width)
         allowed = True
         if mask is not None and (problem.may_overflow or self.top is not None):
-            allowed = allowed_in_run((r, width), mask, masked)
+            allowed = allowed_in_run((*squares, r, width), mask, masked)
         if problem.may_overflow:  # then the scores are in base e
             check_overflow(problem, scores, None if mask is None else allowed, None)
         if call.score_mod is not None:
             q_idx = range(t0 + run.start, t0 + run.stop)
             scores = apply_score_mod(call, scores, [b], h, q_idx, piece.cols())
         if self.top is not None:  # one maximum per row over the allowed scores (NaN stays)
-            top = np.max(scores, axis=-1, initial=-np.inf, where=allowed)[0]  # (heads, r)
-            running = self.top.reshape(len(h), length)[:, run]
-            np.maximum(running, top, out=running)
+            top = np.max(scores, axis=-1, initial=-np.inf, where=allowed)  # (..., r)
+            running = self.top.reshape(len(h) * parts, length // parts)[:, run]
+            np.maximum(running, top.reshape(running.shape), out=running)
         return scores
 
 

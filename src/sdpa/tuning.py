@@ -78,8 +78,9 @@ BLOCK_K = MappingProxyType({_F32: 512, _F64: 256})
 #: Keys per tile under a causal mask or a window, by working dtype.
 BLOCK_K_BAND = MappingProxyType({_F32: 256, _F64: 256})
 
-# A causal unit whose rows are whole squares of BLOCK_K_BAND keys walks the squares along its
-# diagonal together, one batched product for the same tile of every square, in pieces of
+# A causal unit whose rows are whole squares of BLOCK_K_BAND keys (in both faces; in flex's, of
+# whole blocks of a block mask whose rows are full before each square and empty after it) walks
+# the squares along its diagonal together, one batched product for the same tile of every square, in pieces of
 # BLOCK_K_DIAGONAL keys, each for the rows at and below its keys (sdpa.tiles.band.unit_pieces):
 # the masked triangle computed shrinks from BLOCK_K_BAND / 2 keys a row to BLOCK_K_DIAGONAL / 2
 # for a few more steps, of small batched products. Causal over unmasked time, float32, width 64

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from references import torch_flex
+from references import attention_loop_2d, torch_flex
 
 import sdpa
 from sdpa import BlockMask, create_block_mask, flex_attention
@@ -1242,3 +1242,53 @@ def test_rows_that_see_no_key_do_not_undo_the_shift_zero(rng, dtype):
     assert_close(out, want_out, TOL[dtype])
     assert_close(lse, want_lse, TOL[dtype])
     assert np.all(out[:, :, 40:] == 0) and np.all(np.isneginf(lse[:, :, 40:]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shift, holes, hkv", [(0, 0, 16), (128, 0, 16), (0, 3, 16), (256, 5, 8)])
+def test_a_diagonal_in_squares_agrees_with_strips_and_the_reference(
+    rng, monkeypatch, dtype, shift, holes, hkv
+):
+    # 1024 queries, blocks of 128, 16 query heads: units of four query blocks (two with two
+    # query heads to a key head) walk their diagonal in squares of two blocks, pieces of
+    # BLOCK_K_DIAGONAL keys each, batched over the squares. The keys may start `shift` before
+    # the queries (the diagonal further in), and the mask may disallow every `holes`-th key
+    # of a square too (squares that are not triangles).
+    T, S, Hq = 1024, 1024 + shift, 16
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = q_idx + shift >= kv_idx
+        same_square = (kv_idx - shift) // 256 == q_idx // 256  # holes only there
+        return allowed & ~(same_square & (kv_idx % holes == 1)) if holes else allowed
+
+    q = normal(rng, 1, Hq, T, 16, dtype=dtype)
+    k, v = (normal(rng, 1, hkv, S, 16, dtype=dtype) for _ in range(2))
+    bm = create_block_mask(mask_mod, None, None, T, S)
+    kw = dict(block_mask=bm, enable_gqa=hkv < Hq, return_aux=sdpa.AuxRequest(True, True))
+    results = {}
+    for name in ("squares", "strips"):
+        if name == "strips":  # no diagonal pieces: the strips of BLOCK_K_BAND keys
+            monkeypatch.setattr(sdpa.flex, "BLOCK_K_DIAGONAL", {})
+        stats = FlexStats()
+        results[name] = (*flex_attention_tiled(q, k, v, stats=stats, **kw), stats)
+    out, aux, stats = results["squares"]
+    assert stats.tiles > results["strips"][2].tiles  # the squares' pieces
+    want, want_aux = flex_attention(q, k, v, implementation="reference", **kw)
+    assert_close(out, want, TOL[dtype])
+    assert_close(aux.lse, want_aux.lse, TOL[dtype])
+    assert_close(aux.max_scores, want_aux.max_scores, TOL[dtype])
+    assert_close(out, results["strips"][0], TOL[dtype])
+
+
+def test_a_diagonal_in_squares_redoes_rows_far_below_zero(rng):
+    # Rows 0:512 have scores about -60, too far below the shift 0 their units start at: they
+    # are walked again from the exact step, squares and all.
+    q, k, v = (normal(rng, 1, 16, 1024, 4) for _ in range(3))
+    k[..., 0] = 1.0
+    q[..., :512, 0] = -120.0  # scale 1/2: scores about -60
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 1024, 1024)
+    stats = FlexStats()
+    got = flex_attention_tiled(q, k, v, block_mask=bm, stats=stats)
+    assert stats.redone > 0
+    want, _, _ = attention_loop_2d(q[0, 3], k[0, 3], v[0, 3], np.tril(np.ones((1024, 1024), bool)))
+    np.testing.assert_allclose(got[0, 3], want, rtol=2 * np.finfo(float).eps * 60, atol=1e-12)

@@ -28,7 +28,10 @@ throughout the package:
     that its keys are allowed to (a causal unit walks its diagonal as a staircase of
     strips), and of a piece the band's edge crosses only the rows it crosses are masked
     (:mod:`sdpa.tiles.band`). The flex face gathers a block mask's non-empty blocks of one
-    kind (:mod:`sdpa.tiles.blocks`).
+    kind (:mod:`sdpa.tiles.blocks`). In both faces a causal unit of several *squares* (of
+    ``BLOCK_K_BAND`` rows, each with the keys of its own diagonal) computes the squares apart
+    and all at once: a piece of ``BLOCK_K_DIAGONAL`` keys of every square, one batched
+    product for them all, each for the rows of its square at and below its keys.
 **plan**
     Everything a face derives from the shapes and the mask before any unit runs: the units,
     each one's pieces, the heads folded, the exponential's base. Plans never depend on the

@@ -7,7 +7,8 @@ query blocks (``query_blocks_per_unit()``) and skips the empty blocks entirely. 
 mask, the query blocks from the diagonal down), gathers the key blocks that are full for the
 same run into pieces, and those with partial blocks into strips or pieces of their own, each
 of at most ``block_k`` keys (whole blocks, one at least), with the mask of each partial piece
-evaluated once, on its partial blocks only. Full and partial blocks go into separate pieces so
+evaluated once, on its partial blocks only; rows along a causal diagonal compute its squares
+apart, all at once, in narrow pieces (``diagonal_squares()``, ``SquarePiece``). Full and partial blocks go into separate pieces so
 that every operation on a piece's scores runs on a contiguous tile (the columns of a partial
 block inside a wider tile are a strided view, on which NumPy copied through buffers: at
 T = S = 4096, 8 heads of width 64, float32, one thread, 2-core Xeon, the causal call spent
@@ -71,6 +72,30 @@ class Piece:
             return x[..., s0:s1, :]
         return np.concatenate([x[..., s0:s1, :] for s0, s1 in self.spans], axis=-2)
 
+    parts = 1  # the rows of one unit, not cut into squares (see SquarePiece)
+
+
+@dataclass(frozen=True)
+class SquarePiece:
+    """The keys of one step along a diagonal in squares: the unit's rows cut into ``parts``
+    squares of ``width`` rows, square ``p`` with the keys ``start + p width + offset`` and the
+    ``size`` after it (the same piece of every square, one batched product for them all)."""
+
+    start: int  # the first square's first key
+    width: int  # rows of a square, and keys from one square's to the next
+    parts: int
+    offset: int  # the piece's first key in its square
+    size: int
+    masked = True
+
+    def gather(self, x: np.ndarray) -> np.ndarray:
+        """The piece's keys of every square of ``x`` ``(n, S, D)``: ``(n, parts, size, D)``,
+        a view."""
+        n, _, D = x.shape
+        squares = x[:, self.start : self.start + self.width * self.parts]
+        squares = squares.reshape(n, self.parts, self.width, D)
+        return squares[:, :, self.offset : self.offset + self.size]
+
 
 @dataclass(frozen=True)
 class UnitPlan:
@@ -101,6 +126,7 @@ def unit_plan(
     S: int,
     block_k,
     strip_keys: int | None = None,
+    diagonal: int = 0,
 ) -> UnitPlan:
     """The plan of the rows ``kinds_rows`` ``(R, n_kv)`` of a block mask (consecutive query
     blocks), for batch entry and head ``bh`` and the queries ``rows``.
@@ -115,7 +141,22 @@ def unit_plan(
     (and ``block_k``) whose runs are nested (a strip also computes, masked, the blocks of its
     rows that are not its own: under a causal mask, half of the diagonal square of each
     strip). ``mask_mod`` is evaluated once per piece, on its partial blocks only.
+
+    With ``diagonal`` (and ``strip_keys``), rows of the block mask that walk a diagonal of
+    squares of ``strip_keys`` (:func:`diagonal_squares`) compute those squares last, all at
+    once, in pieces of ``diagonal`` keys (:meth:`_PieceMaker.square_pieces`), and the rest
+    as above.
     """
+    maker = _PieceMaker(kinds_rows, mask_mod, bh, rows, block_q, block_kv, S)
+    squares = None
+    if strip_keys and diagonal:
+        squares = diagonal_squares(kinds_rows, len(rows), block_q, block_kv, strip_keys, S)
+    if squares is not None:
+        kinds_rows = kinds_rows.copy()  # the squares' blocks are computed apart
+        width = strip_keys // block_kv  # blocks a square
+        for p in range(kinds_rows.shape[0] // width):
+            first = squares + p * width
+            kinds_rows[p * width : (p + 1) * width, first : first + width] = EMPTY
     full: dict[tuple[int, int], list[int]] = {}
     other: list[tuple[int, int, int]] = []  # (key block, first and stop query block met)
     for j in np.flatnonzero(kinds_rows.any(axis=0)).tolist():
@@ -143,11 +184,12 @@ def unit_plan(
             for (ra, rb), blocks in same.items()
             for first in range(0, len(blocks), per_piece)
         ]
-    maker = _PieceMaker(kinds_rows, mask_mod, bh, rows, block_q, block_kv, S)
     pieces = tuple(maker.piece(group) for group in groups)
+    if squares is not None:
+        pieces += maker.square_pieces(squares, strip_keys, diagonal)
     return UnitPlan(
-        computed=int(np.count_nonzero(kinds_rows)),
-        partial=int(np.count_nonzero(kinds_rows == PARTIAL)),
+        computed=int(np.count_nonzero(maker.kinds)),
+        partial=int(np.count_nonzero(maker.kinds == PARTIAL)),
         pieces=pieces,
         met=_rows_met(pieces, len(rows)),
     )
@@ -156,18 +198,45 @@ def unit_plan(
 def _rows_met(pieces, length: int) -> np.ndarray | None:
     """``(length,)`` bool: the rows that some piece allows a key; None if every row."""
     met = np.zeros(length, dtype=bool)
-    for _, run, masked, mask in pieces:
-        rows = met[run]
+    for piece, run, masked, mask in pieces:
+        by_part = met.reshape(piece.parts, -1)  # the rows of each square, or all of them
+        rows = by_part[:, run]
         if mask is None:
             rows[:] = True
             continue
-        rows[: masked.start] = True  # the run's rows outside `masked` see full blocks only
-        rows[masked.stop :] = True
-        rows[masked] |= ~mask.all(axis=1)
+        rows[:, : masked.start] = True  # the run's rows outside `masked` see full blocks only
+        rows[:, masked.stop :] = True
+        rows[:, masked] |= ~mask.all(axis=-1)
     if met.all():
         return None
     met.flags.writeable = False
     return met
+
+
+def diagonal_squares(kinds_rows, length: int, block_q: int, block_kv: int, width: int, S: int):
+    """The first key block of the diagonal of squares that the rows ``kinds_rows``
+    ``(R, n_kv)`` of a block mask walk, or None if they do not.
+
+    The rows (``length`` queries, whole blocks) are cut into two squares or more of ``width``
+    queries (a whole number of blocks, ``block_q == block_kv``); square ``p`` owns the ``width`` keys
+    from ``start + p width`` (``start`` a key block): before them its blocks are all full,
+    after them all empty (a causal mask's, with any alignment that keeps its diagonal within
+    the keys). What the squares hold is left to ``mask_mod``."""
+    R, n_kv = kinds_rows.shape
+    w = width // block_kv
+    if block_q != block_kv or width % block_kv or R % w or R < 2 * w or length != R * block_q:
+        return None
+    square_rows = kinds_rows.reshape(R // w, w, n_kv)
+    full = (square_rows == FULL).all(axis=1)  # (squares, n_kv): full for each row of a square
+    start = int(np.argmin(full[0])) if not full[0].all() else n_kv
+    P = R // w
+    if (start + P * w) * block_kv > S:
+        return None
+    for p in range(P):
+        first = start + p * w
+        if not full[p, :first].all() or (square_rows[p, :, first + w :] != EMPTY).any():
+            return None
+    return start
 
 
 def _strips(runs: list[tuple[int, int, int]], most: int) -> list[list[tuple[int, int, int]]]:
@@ -244,6 +313,38 @@ class _PieceMaker:
                 mask[a * bq : a * bq + len(block_rows), at] = ~allowed[0, 0]
         mask.flags.writeable = False
         return mask
+
+    def square_pieces(self, start: int, width: int, diagonal: int) -> tuple:
+        """The pieces of the squares of ``width`` keys along the diagonal from key block
+        ``start`` (:func:`diagonal_squares`): ``diagonal`` keys at a time of every square,
+        each for the rows of a square that one of its keys is allowed to (in one run, the
+        same run of every square), masked in the rows some key is not."""
+        w, P = width // self.block_kv, self.kinds.shape[0] * self.block_q // width
+        squares = np.stack([  # (P, width, width) bool, True = disallowed
+            self.mask(
+                self.kinds[p * w : (p + 1) * w, start + p * w : start + (p + 1) * w],
+                self.rows[p * width : (p + 1) * width],
+                Piece.of(list(range(start + p * w, start + (p + 1) * w)), True, self.block_kv, self.S),
+            )
+            for p in range(P)
+        ])  # fmt: skip
+        pieces = []
+        for a in range(0, width, diagonal):
+            sub = squares[:, :, a : a + diagonal]  # (P, width, keys)
+            met = np.flatnonzero(~sub.all(axis=(0, 2)))  # rows with an allowed key, any square
+            if not met.size:
+                continue
+            run = slice(int(met[0]), int(met[-1]) + 1)
+            piece = SquarePiece(start * self.block_kv, width, P, a, sub.shape[-1])
+            crossed = np.flatnonzero(sub[:, run].any(axis=(0, 2)))
+            if not crossed.size:
+                pieces.append((piece, run, slice(None), None))
+                continue
+            masked = slice(int(crossed[0]), int(crossed[-1]) + 1)
+            mask = np.ascontiguousarray(sub[:, run][:, masked])  # (P, masked rows, keys)
+            mask.flags.writeable = False
+            pieces.append((piece, run, masked, mask))
+        return tuple(pieces)
 
 
 def mask_row(kinds: np.ndarray, b: int, h: int, m: int) -> tuple[int, int, int]:

@@ -218,10 +218,10 @@ class OnlineSoftmax:
         """Whether every row of ``run`` (of every group, or part) has its shift set."""
         return self.all_started or bool(self.views(parts)[3][:, run].all())
 
-    def subtract_shift(self, s: np.ndarray, run: slice = ALL) -> None:
+    def subtract_shift(self, s: np.ndarray, run: slice = ALL, parts: int = 1) -> None:
         """``s -= m`` row by row, for a face that does not fold the shift into its product;
-        ``s`` is ``(..., keys)`` with the rows ``run`` of each group in order."""
-        m = self.by_group[0][:, run]
+        ``s`` is ``(..., keys)`` with the rows ``run`` of each group (or part) in order."""
+        m = self.views(parts)[0][:, run]
         s3 = s.reshape(*m.shape, s.shape[-1])
         np.subtract(s3, m[..., None], out=s3)
 

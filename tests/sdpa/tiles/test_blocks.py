@@ -23,7 +23,9 @@ from sdpa.block_mask import EMPTY, FULL, PARTIAL
 from sdpa.tiles.blocks import (
     Piece,
     PlanCache,
+    SquarePiece,
     UnitPlan,
+    diagonal_squares,
     plans_beside,
     query_blocks_per_unit,
     unit_count,
@@ -351,3 +353,104 @@ def test_plans_beside_let_the_mask_go():
     del mask
     gc.collect()
     assert gone() is None
+
+
+def test_unit_plan_walks_a_causal_diagonal_in_squares():
+    # Four query blocks of 2 rows (queries 4:12 of a causal mask, so the diagonal starts at
+    # key 4), key blocks of 2 keys, S = 12: squares of 4 rows (two blocks), pieces of 2 keys
+    # inside them. Key blocks 0-1 are full for every row; each square's four blocks are
+    # computed by the square pieces; block 2-3's lower neighbours (query blocks 2-3) by a
+    # strip of full blocks.
+    causal = lambda b, h, q, k: q >= k  # noqa: E731
+    q_blocks = np.arange(2, 6)[:, None]  # query blocks 2:6 of a 6 x 6 causal block mask
+    k_blocks = np.arange(6)[None, :]
+    kinds = np.where(k_blocks < q_blocks, FULL, np.where(k_blocks == q_blocks, PARTIAL, EMPTY))
+    assert diagonal_squares(kinds, 8, 2, 2, 4, 12) == 2
+    plan = unit_plan(
+        kinds, causal, (0, 0), range(4, 12), block_q=2, block_kv=2, S=12, block_k=8,
+        strip_keys=4, diagonal=2,
+    )  # fmt: skip
+    assert plan.computed == 18 and plan.partial == 4
+    got = [(piece, run, masked) for piece, run, masked, _ in plan.pieces]
+    assert got == [
+        (Piece(((0, 4),), False), slice(0, 8), slice(None)),  # before the diagonal
+        (Piece(((4, 8),), False), slice(4, 8), slice(None)),  # square 0's keys, rows below it
+        (SquarePiece(4, 4, 2, 0, 2), slice(0, 4), slice(0, 1)),  # keys 4:6 and 8:10
+        (SquarePiece(4, 4, 2, 2, 2), slice(2, 4), slice(0, 1)),  # keys 6:8 and 10:12
+    ]
+    for piece, run, masked, mask in plan.pieces[2:]:
+        for p in range(2):  # each square's rows of the run, and its keys
+            q = np.arange(4, 12)[p * 4 : (p + 1) * 4][run][masked]
+            cols = 4 + 4 * p + piece.offset + np.arange(piece.size)
+            np.testing.assert_array_equal(mask[p], ~(q[:, None] >= cols[None, :]))
+        assert not mask.flags.writeable
+    # computed: 8 x 4, 4 x 4, then 2 squares of 4 x 2 and 2 x 2 = 72 of the 8 x 12
+    scores = [(r.stop - r.start) * p.size * p.parts for p, r, *_ in plan.pieces]
+    assert sum(scores) == 32 + 16 + 16 + 8
+
+
+def test_gather_of_a_square_piece_is_each_square_s_keys(rng):
+    x = rng.standard_normal((3, 20, 5))  # (n, S, D)
+    piece = SquarePiece(start=4, width=6, parts=2, offset=2, size=3)
+    got = piece.gather(x)
+    np.testing.assert_array_equal(got, np.stack([x[:, 6:9], x[:, 12:15]], axis=1))
+    assert np.shares_memory(got, x) and piece.masked and Piece(((0, 1),), False).parts == 1
+
+
+@st.composite
+def square_rows(draw):
+    """A causal-like block mask's row of query blocks, possibly in squares, and a mask_mod
+    that may disallow more inside the band (so that not every square is triangular)."""
+    block = draw(st.sampled_from([2, 3, 4]))
+    width = block * draw(st.integers(1, 3))
+    R = (width // block) * draw(st.integers(1, 3))
+    # queries t attend keys up to t + offset: whole blocks keep the diagonal in squares
+    offset = draw(st.sampled_from([0, block, 2 * block, draw(st.integers(0, 2 * block))]))
+    m0 = draw(st.integers(0, 2))
+    S = (m0 + R) * block + offset + draw(st.integers(-block, block))
+    holes = draw(st.integers(0, 3))  # every `holes`-th key disallowed too (0: none)
+
+    def mask_mod(b, h, q, k):
+        allowed = q + offset >= k
+        return allowed & ((k % holes != 1) if holes else True)
+
+    return block, width, R, m0, S, mask_mod
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=square_rows())
+def test_square_plans_compute_each_allowed_score_once(case):
+    block, width, R, m0, S, mask_mod = case
+    T = (m0 + R) * block
+    if S <= 0:
+        return
+    bm = create_block_mask(mask_mod, None, None, T, S, BLOCK_SIZE=block)
+    kinds = bm.kinds[0, 0, m0 : m0 + R]
+    rows = range(m0 * block, T)
+    q, k = np.arange(T)[rows][:, None], np.arange(S)[None, :]
+    allowed = mask_mod(0, 0, q, k) & np.ones((len(rows), S), bool)
+    for diagonal in (0, 1, 2):
+        plan = unit_plan(kinds, mask_mod, (0, 0), rows, block, block, S, 4 * block, width, diagonal)
+        count = np.zeros((len(rows), S), int)
+        for piece, run, masked, mask in plan.pieces:
+            if piece.parts == 1:
+                cols = piece.cols()
+                tile = np.ones((run.stop - run.start, cols.size), bool)
+                if mask is not None:
+                    tile[masked] = ~mask
+                count[np.arange(run.start, run.stop)[:, None], cols] += tile
+                continue
+            for p in range(piece.parts):
+                cols = piece.start + p * piece.width + piece.offset + np.arange(piece.size)
+                tile = np.ones((run.stop - run.start, piece.size), bool)
+                if mask is not None:
+                    tile[masked] = ~mask[p]
+                r0 = p * piece.width
+                count[np.arange(r0 + run.start, r0 + run.stop)[:, None], cols] += tile
+        np.testing.assert_array_equal(count, allowed)  # each allowed score once, nothing else
+        met = allowed.any(axis=1)
+        assert (plan.met is None and met.all()) or (plan.met == met).all()
+        start = diagonal_squares(kinds, len(rows), block, block, width, S)
+        assert any(piece.parts > 1 for piece, *_ in plan.pieces) == bool(
+            diagonal and start is not None
+        )
