@@ -188,7 +188,10 @@ class OnlineSoftmax:
         self.groups, self.length = groups, rows // groups
         self.m = _zeros(space.m, rows)
         self.l = _zeros(space.l, rows)
-        self.acc = _zeros(space.acc, rows * Dv).reshape(rows, Dv)
+        # acc is set by the first step that adds to every row (written, not added: no pass to
+        # zero it, none to add to zeros), or zeroed before any other step (``fresh`` until then)
+        self.acc = space.acc[: rows * Dv].reshape(rows, Dv)
+        self.fresh = True
         self.started = np.full(rows, bool(at_zero))  # rows whose shift m is set
         self.all_started = bool(at_zero)
         self.moved = False  # whether an exact step has moved a shift (else every m is 0)
@@ -263,7 +266,12 @@ class OnlineSoftmax:
             return False
         _, l, acc, _ = self.views(parts)
         l, acc = l[:, run], acc[:, run]
-        acc += self.products(p, values).reshape(acc.shape)
+        if self.fresh and acc.size == self.acc.size:  # the first step, and it meets every row
+            self.products(p, values, out=self.acc)
+            self.fresh = False
+        else:
+            self.zero_fresh()
+            acc += self.products(p, values).reshape(acc.shape)
         l += tile_l.reshape(l.shape)
         return True
 
@@ -283,6 +291,7 @@ class OnlineSoftmax:
         which has no slow path for ``-inf``. ``values`` as in :meth:`lazy_step`.
         """
         m, l, acc, started = self.state(run, parts)
+        self.zero_fresh()
         s3 = s.reshape(*m.shape, s.shape[-1])  # (groups, r, keys)
         row_max = np.max(s3, axis=-1)  # -inf where nothing is allowed, NaN stays NaN
         meets = row_max > -np.inf
@@ -305,6 +314,12 @@ class OnlineSoftmax:
         started |= meets
         self.all_started = bool(self.started.all())
 
+    def zero_fresh(self) -> None:
+        """Zero ``acc`` if no step has set it yet."""
+        if self.fresh:
+            self.acc.fill(0)
+            self.fresh = False
+
     def row_sums(self, p: np.ndarray) -> np.ndarray:
         """``p @ 1``: the row sums of a piece's terms ``(..., keys)``, flat, in ``tile_l``."""
         keys = p.shape[-1]
@@ -312,11 +327,11 @@ class OnlineSoftmax:
         np.matmul(p.reshape(-1, keys), self.space.ones[:keys], out=tile_l)
         return tile_l
 
-    def products(self, p: np.ndarray, values: np.ndarray) -> np.ndarray:
+    def products(self, p: np.ndarray, values: np.ndarray, out=None) -> np.ndarray:
         """``p @ v`` per key head: ``(n, rows / n, keys) @ (n, keys, Dv)``, into ``tile_out``
         (returned, ``(n, rows / n, Dv)``); or, for ``values`` of more than three axes (as
         many as ``p``, broadcastable against its leading ones), ``p @ values``,
-        ``(..., r, Dv)``.
+        ``(..., r, Dv)``. With ``out`` (contiguous, as many entries), into it instead.
 
         The row sums are a matrix-vector product with ones rather than a column of ones
         appended to the values: it reads the tile once more, from cache, which costs less.
@@ -328,10 +343,10 @@ class OnlineSoftmax:
         """
         n, keys = values.shape[0], p.shape[-1]
         rows = p.size // keys
+        flat = (self.space.tile_out if out is None else out.reshape(-1))[: rows * self.Dv]
         if values.ndim > 3:  # batched as p is
-            out = self.space.tile_out[: rows * self.Dv].reshape(*p.shape[:-1], self.Dv)
-            return np.matmul(p, values, out=out)
-        out = self.space.tile_out[: rows * self.Dv].reshape(n, rows // n, self.Dv)
+            return np.matmul(p, values, out=flat.reshape(*p.shape[:-1], self.Dv))
+        out = flat.reshape(n, rows // n, self.Dv)
         np.matmul(p.reshape(n, rows // n, keys), values, out=out)
         return out
 
@@ -354,6 +369,7 @@ class OnlineSoftmax:
         With ``sinks`` ``(rows,)``, each row's sink joins its normaliser first
         (:func:`add_sinks`); the returned ``m`` and ``l`` then include it.
         """
+        self.zero_fresh()  # a unit no step added to: out 0
         m = self.m / LOG2E if self.base2 else self.m  # in natural units
         l, alpha = self.l, 1
         if sinks is not None:

@@ -547,3 +547,24 @@ def test_steps_on_the_same_run_of_each_part_base_2():
     out, lse, _, _ = finished(sm)
     np.testing.assert_allclose(out[:, 0], [1, (13 / 16 + 2) / (21 / 16), 10, (140 / 8 + 5) / 1.75])
     np.testing.assert_allclose(lse, np.log([1, 2**4 * 21 / 16, 2, 2**3 * 1.75]), **TIGHT)
+
+
+def test_acc_is_set_by_a_first_step_over_every_row_and_zeroed_before_any_other():
+    # The buffers are reused from unit to unit: acc starts with another unit's garbage.
+    space = Workspace(3, 2, 1, F64)
+    space.acc[:] = np.nan
+    sm = OnlineSoftmax(space, 3, 1, np.exp, False, True)
+    assert sm.lazy_step(piece([[0], [0], [LN2]]), vals([5]))  # every row: written
+    np.testing.assert_array_equal(sm.acc[:, 0], [5, 5, 10])
+    space.acc[:] = np.nan
+    sm = OnlineSoftmax(space, 3, 1, np.exp, False, True)
+    assert sm.lazy_step(piece([[0], [LN2]]), vals([5]), run=slice(1, 3))  # rows 1 and 2 only
+    np.testing.assert_array_equal(sm.acc[:, 0], [0, 5, 10])
+    space.acc[:] = np.nan
+    sm = OnlineSoftmax(space, 3, 1, np.exp, False, False)
+    sm.exact_step(piece([[1], [2]]), vals([3]), run=slice(0, 2))  # an exact step first
+    np.testing.assert_array_equal(sm.acc[:, 0], [3, 3, 0])
+    space.acc[:] = np.nan
+    out, lse, _, _ = finished(OnlineSoftmax(space, 3, 1, np.exp, False, False))  # no step
+    np.testing.assert_array_equal(out, 0)
+    np.testing.assert_array_equal(lse, -np.inf)
