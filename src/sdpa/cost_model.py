@@ -216,7 +216,7 @@ def _square_counts(t0, t1, S: int, bk: int, d: int, problem: AttentionProblem):
     if lo is not None or hi is None or not 0 < d < bk or bk % d:
         return None
     rows, k0 = t1 - t0, t0 + problem.offset + hi  # row t0 + y meets the keys up to k0 + y
-    square = (rows % bk == 0) & (k0 >= 0) & (k0 + rows <= S)
+    square = (rows % bk == 0) & (rows >= 2 * bk) & (k0 >= 0) & (k0 + rows <= S)
     nb, left = rows // bk, -(-np.maximum(k0, 0) // bk)  # squares; pieces before the diagonal
     steps = bk // d + (nb - 1) + left
     tiles = nb * (bk // d) + (nb - 1) + left

@@ -49,7 +49,8 @@ a CPU, where every NumPy call is a full pass over a tile (the tunables are in
 * blocks entirely outside a causal or sliding-window band are never visited, and blocks
   entirely inside it are not masked; a piece of keys the band's edge crosses is computed only
   for the rows its keys are allowed to (a causal block walks its diagonal as a staircase of
-  strips), and only the rows the edge crosses are masked;
+  strips, or, when its rows are whole squares of ``BLOCK_K_BAND``, walks the squares along
+  its diagonal all at once in narrower pieces), and only the rows the edge crosses are masked;
 * independent work units (one query block of one head, with the query rows of all heads that
   share a key/value head folded in, so each key tile is loaded once for the whole group; of
   several heads, their products batched, when the units are short) are
@@ -115,7 +116,8 @@ class TileStats(Counts):
         Work units run: one block of query rows of one head, with the heads that share its
         keys folded in (under a causal mask or a window, of several heads).
     computed : int
-        Tiles whose scores were computed, counted for each head.
+        Tiles whose scores were computed, counted for each head (a step along a causal
+        diagonal in squares computes a tile of each square).
     steps : int
         Rounds of NumPy calls that computed them: a unit of several heads computes one tile
         of each in one step (``computed`` counts each head's).

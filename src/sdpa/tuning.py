@@ -80,8 +80,9 @@ BLOCK_K_BAND = MappingProxyType({_F32: 256, _F64: 256})
 
 # A causal unit whose rows are whole squares of BLOCK_K_BAND keys (in both faces; in flex's, of
 # whole blocks of a block mask whose rows are full before each square and empty after it) walks
-# the squares along its diagonal together, one batched product for the same tile of every square, in pieces of
-# BLOCK_K_DIAGONAL keys, each for the rows at and below its keys (sdpa.tiles.band.unit_pieces):
+# the squares along its diagonal together, one batched product for the same tile of every
+# square, in pieces of BLOCK_K_DIAGONAL keys, each for the rows at and below its keys
+# (sdpa.tiles.band.unit_pieces, sdpa.tiles.blocks.diagonal_squares):
 # the masked triangle computed shrinks from BLOCK_K_BAND / 2 keys a row to BLOCK_K_DIAGONAL / 2
 # for a few more steps, of small batched products. Causal over unmasked time, float32, width 64
 # (Intel Xeon, AVX-512, 2 cores; medians of 9 interleaved rounds), at 4 x 8 x 1024 and

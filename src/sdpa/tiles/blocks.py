@@ -8,11 +8,11 @@ mask, the query blocks from the diagonal down), gathers the key blocks that are 
 same run into pieces, and those with partial blocks into strips or pieces of their own, each
 of at most ``block_k`` keys (whole blocks, one at least), with the mask of each partial piece
 evaluated once, on its partial blocks only; rows along a causal diagonal compute its squares
-apart, all at once, in narrow pieces (``diagonal_squares()``, ``SquarePiece``). Full and partial blocks go into separate pieces so
-that every operation on a piece's scores runs on a contiguous tile (the columns of a partial
-block inside a wider tile are a strided view, on which NumPy copied through buffers: at
-T = S = 4096, 8 heads of width 64, float32, one thread, 2-core Xeon, the causal call spent
-4 % of its time in those copies).
+apart, all at once, in narrow pieces (``diagonal_squares()``, ``SquarePiece``). Full and
+partial blocks go into separate pieces so that every operation on a piece's scores runs on a
+contiguous tile (the columns of a partial block inside a wider tile are a strided view, on
+which NumPy copied through buffers: at T = S = 4096, 8 heads of width 64, float32, one thread,
+2-core Xeon, the causal call spent 4 % of its time in those copies).
 
 Units whose rows of the block mask are equal (every head of a mask created with ``H=None``)
 share one plan, kept beside the block mask for its later calls (``plans_beside()``).
@@ -218,9 +218,9 @@ def diagonal_squares(kinds_rows, length: int, block_q: int, block_kv: int, width
     ``(R, n_kv)`` of a block mask walk, or None if they do not.
 
     The rows (``length`` queries, whole blocks) are cut into two squares or more of ``width``
-    queries (a whole number of blocks, ``block_q == block_kv``); square ``p`` owns the ``width`` keys
-    from ``start + p width`` (``start`` a key block): before them its blocks are all full,
-    after them all empty (a causal mask's, with any alignment that keeps its diagonal within
+    queries (a whole number of blocks, ``block_q == block_kv``); square ``p`` owns the
+    ``width`` keys from ``start + p width`` (``start`` a key block): before them its blocks
+    are all full, after them all empty (a causal mask's, with any alignment that keeps its diagonal within
     the keys). What the squares hold is left to ``mask_mod``."""
     R, n_kv = kinds_rows.shape
     w = width // block_kv
@@ -320,11 +320,12 @@ class _PieceMaker:
         each for the rows of a square that one of its keys is allowed to (in one run, the
         same run of every square), masked in the rows some key is not."""
         w, P = width // self.block_kv, self.kinds.shape[0] * self.block_q // width
+        blocks = [list(range(start + p * w, start + (p + 1) * w)) for p in range(P)]
         squares = np.stack([  # (P, width, width) bool, True = disallowed
             self.mask(
-                self.kinds[p * w : (p + 1) * w, start + p * w : start + (p + 1) * w],
+                self.kinds[p * w : (p + 1) * w, blocks[p][0] : blocks[p][-1] + 1],
                 self.rows[p * width : (p + 1) * width],
-                Piece.of(list(range(start + p * w, start + (p + 1) * w)), True, self.block_kv, self.S),
+                Piece.of(blocks[p], True, self.block_kv, self.S),
             )
             for p in range(P)
         ])  # fmt: skip

@@ -168,8 +168,8 @@ class OnlineSoftmax:
         piece meets only the rows at or below the diagonal.
 
     A step may also cut each group's rows into ``parts`` equal parts and add its piece to the
-    same run of each part (``parts``, default 1): the dense face adds the squares along a
-    causal diagonal so, one batched product for all of them.
+    same run of each part (``parts``, default 1): both faces add the squares along a causal
+    diagonal so, one batched product for all of them.
     """
 
     def __init__(
@@ -244,8 +244,9 @@ class OnlineSoftmax:
         ``run`` (``r`` of them) of each group, and is overwritten with ``exp(p)``; ``values``
         is ``(n, keys, Dv)``, the values of the unit's ``n`` key heads (each for an equal share
         of the rows, in order), or of as many axes as ``p`` and more than three, broadcastable
-        against it as ``(..., keys, Dv)`` (:meth:`products`); with ``parts``, ``p`` holds the run of each part; ``disallowed``, an array broadcastable to the rows ``masked``
-        of ``p`` (a slice of its ``r``), marks the scores to drop (None: every score is
+        against it as ``(..., keys, Dv)`` (:meth:`products`); with ``parts``, ``p`` holds the
+        rows ``run`` of each part; ``disallowed``, an array broadcastable to the rows
+        ``masked`` of ``p`` (a slice of its ``r``), marks the scores to drop (None: every score is
         allowed): bools, True where a score is disallowed, or weights of ``p``'s dtype, 0
         there and 1 elsewhere (multiplied in: a term that is NaN or infinite then stays NaN
         and fails the bound, and the exact step, which drops the scores before the
@@ -286,9 +287,10 @@ class OnlineSoftmax:
         """Add a piece, moving each row's shift to its largest score so far.
 
         ``s`` ``(..., r, keys)`` holds the raw scores (in the base of the softmax) of the rows
-        ``run`` of each group (or part), ``-inf`` where disallowed, and is overwritten; ``masked`` says
-        that it may hold such ``-inf``: then, in base 2, the exponential is ``exp(x ln 2)``,
-        which has no slow path for ``-inf``. ``values`` as in :meth:`lazy_step`.
+        ``run`` of each group (or part), ``-inf`` where disallowed, and is overwritten;
+        ``masked`` says that it may hold such ``-inf``: then, in base 2, the exponential is
+        ``exp(x ln 2)``, which has no slow path for ``-inf``. ``values`` as in
+        :meth:`lazy_step`.
         """
         m, l, acc, started = self.state(run, parts)
         self.zero_fresh()

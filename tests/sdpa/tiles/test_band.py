@@ -312,3 +312,4 @@ def test_unit_pieces_of_a_causal_unit_in_squares():
     assert square_width(8, 16, 15, 4, 2, 0, None, 0) == 0
     assert square_width(8, 16, 16, 4, 3, 0, None, 0) == 0
     assert square_width(8, 16, 16, 4, 0, 0, None, 0) == 0
+    assert square_width(8, 12, 16, 4, 2, 0, None, 0) == 0  # one square: strips
