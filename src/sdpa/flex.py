@@ -451,7 +451,8 @@ class _Unit:
         """A piece's modified scores ``(1, heads, r, keys)`` of the rows ``run`` of each query
         head (``(n, G', parts, r, keys)`` of each square, for a piece in squares), in the
         worker's buffer, the mask (of the rows ``masked`` of the run) not applied: ``keys``
-        ``(n, keys, Dk)`` (or ``(n, parts, keys, Dk)``) are the ``n`` key heads' gathered keys."""
+        ``(n, keys, Dk)`` (or ``(n, parts, keys, Dk)``) are the ``n`` key heads' gathered
+        keys."""
         call = self.worker.tiling.call
         problem = call.problem
         b, h, t0, _ = self.where

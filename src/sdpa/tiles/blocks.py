@@ -220,8 +220,9 @@ def diagonal_squares(kinds_rows, length: int, block_q: int, block_kv: int, width
     The rows (``length`` queries, whole blocks) are cut into two squares or more of ``width``
     queries (a whole number of blocks, ``block_q == block_kv``); square ``p`` owns the
     ``width`` keys from ``start + p width`` (``start`` a key block): before them its blocks
-    are all full, after them all empty (a causal mask's, with any alignment that keeps its diagonal within
-    the keys). What the squares hold is left to ``mask_mod``."""
+    are all full, after them all empty (a causal mask's, with any alignment that keeps its
+    diagonal on block boundaries within the keys). What the squares hold is left to
+    ``mask_mod``."""
     R, n_kv = kinds_rows.shape
     w = width // block_kv
     if block_q != block_kv or width % block_kv or R % w or R < 2 * w or length != R * block_q:
