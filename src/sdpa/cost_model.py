@@ -20,7 +20,7 @@ import numpy as np
 from ._checks import available_memory
 from .problem import AttentionProblem
 from .threads import default_num_threads
-from .tiles.band import block_key_spans, head_groups, tile_plan_sizes
+from .tiles.band import block_key_spans, head_groups, square_width, tile_plan_sizes
 from .tiles.blocks import unit_count
 from .tuning import BLOCK_K_DIAGONAL
 
@@ -212,11 +212,10 @@ def _square_counts(t0, t1, S: int, bk: int, d: int, problem: AttentionProblem):
     pieces of ``d`` keys (:func:`sdpa.tiles.band.unit_pieces`): ``(square, tiles, steps,
     scores)``, int64 arrays over the blocks (``square`` bool: the blocks that do), one head's
     counts; None when no block can."""
-    lo, hi = problem.band
-    if lo is not None or hi is None or not 0 < d < bk or bk % d:
+    square = square_width(t0, t1, S, bk, d, problem.offset, *problem.band) > 0
+    if not square.any():
         return None
-    rows, k0 = t1 - t0, t0 + problem.offset + hi  # row t0 + y meets the keys up to k0 + y
-    square = (rows % bk == 0) & (rows >= 2 * bk) & (k0 >= 0) & (k0 + rows <= S)
+    rows, k0 = t1 - t0, t0 + problem.offset + problem.band[1]  # row t0 + y: keys to k0 + y
     nb, left = rows // bk, -(-np.maximum(k0, 0) // bk)  # squares; pieces before the diagonal
     steps = bk // d + (nb - 1) + left
     tiles = nb * (bk // d) + (nb - 1) + left

@@ -94,6 +94,7 @@ from .tiles.band import (
     unit_outer,
     unit_pieces,
 )
+from .tiles.blocks import SquarePiece
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import ALL, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
@@ -448,12 +449,10 @@ class _Unit:
 
     def by_square(self, a: np.ndarray, piece: BandPiece) -> np.ndarray:
         """``(n, parts, keys, D)`` view of ``a`` ``(n, S, D)``: the piece's keys of each square
-        (square ``b``'s ``w b`` keys after the first's, ``w`` the squares' width)."""
-        n, _, D = a.shape
-        w = (self.t1 - self.t0) // piece.parts
-        a0, k0 = piece.run.start, piece.s0 - piece.run.start  # k0: the first square's first key
-        squares = a[:, k0 : k0 + w * piece.parts].reshape(n, piece.parts, w, D)
-        return squares[:, :, a0 : a0 + piece.s1 - piece.s0]
+        (as flex's :class:`sdpa.tiles.blocks.SquarePiece` gathers them)."""
+        w, a0 = (self.t1 - self.t0) // piece.parts, piece.run.start
+        square = SquarePiece(piece.s0 - a0, w, piece.parts, a0, piece.s1 - piece.s0)
+        return square.gather(a)
 
     def lazy_step(self, piece: BandPiece, disallowed, masked: slice) -> bool:
         """Add the piece's keys to its rows at their present shifts (the engine's lazy step);

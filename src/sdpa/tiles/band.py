@@ -76,21 +76,21 @@ class BandPiece(NamedTuple):
     parts: int = 1
 
 
-def square_width(t0: int, t1: int, S: int, block_k: int, diagonal: int, offset: int, lo, hi):
+def square_width(t0, t1, S: int, block_k: int, diagonal: int, offset: int, lo, hi):
     """The width of the squares the unit of queries ``t0:t1`` walks its causal diagonal in,
-    or 0 when it walks strips of ``block_k`` keys (:func:`unit_pieces`).
+    or 0 when it walks strips of ``block_k`` keys (:func:`unit_pieces`); for ``t0`` and
+    ``t1`` int arrays, of every unit at once (the cost model's count).
 
     Squares of ``block_k`` rows, when the band has an upper edge only (a causal mask), the
     unit's rows are two squares or more (a unit of one square would trade its one piece for
     ``block_k / diagonal`` small ones: at 1 x 1 x 1024, float32, units of one square took
     1.15 times as long), ``block_k`` is a multiple of ``diagonal`` (the width of the pieces
     inside a square, smaller), and the unit's diagonal lies within the keys ``0:S``."""
-    rows, k0 = t1 - t0, t0 + offset + (hi or 0)  # row t0 + y meets the keys up to k0 + y
     if lo is not None or hi is None or not 0 < diagonal < block_k or block_k % diagonal:
-        return 0
-    if rows % block_k or rows < 2 * block_k or k0 < 0 or k0 + rows > S:
-        return 0
-    return block_k
+        return 0 * t0
+    rows, k0 = t1 - t0, t0 + offset + hi  # row t0 + y meets the keys up to k0 + y
+    fits = (rows % block_k == 0) & (rows >= 2 * block_k) & (k0 >= 0) & (k0 + rows <= S)
+    return block_k * fits
 
 
 def unit_pieces(

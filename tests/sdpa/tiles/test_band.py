@@ -313,3 +313,7 @@ def test_unit_pieces_of_a_causal_unit_in_squares():
     assert square_width(8, 16, 16, 4, 3, 0, None, 0) == 0
     assert square_width(8, 16, 16, 4, 0, 0, None, 0) == 0
     assert square_width(8, 12, 16, 4, 2, 0, None, 0) == 0  # one square: strips
+    # every unit at once, as the cost model asks: the same answers
+    t0, t1 = np.array([8, 8, 8, 0]), np.array([16, 14, 12, 8])
+    np.testing.assert_array_equal(square_width(t0, t1, 16, 4, 2, 0, None, 0), [4, 0, 0, 4])
+    np.testing.assert_array_equal(square_width(t0, t1, 16, 4, 2, 0, -5, 0), 0)
