@@ -16,6 +16,8 @@ Shape letters: ``B`` batch, ``Hq``/``Hkv`` query and key/value heads, ``T`` quer
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -139,7 +141,7 @@ def attention_reference(
     >>> round(float(lse[0]), 6)  # log(4 * exp(0))
     1.386294
     """
-    n_scores = int(np.prod(problem.scores_shape, dtype=np.int64))
+    n_scores = math.prod(problem.scores_shape)
     itemsize = problem.work_dtype.itemsize
     need = n_scores * (3 * itemsize + (8 if dropout_p > 0.0 else 0))  # scores, weights, a copy
     check_memory(

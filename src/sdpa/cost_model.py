@@ -13,6 +13,7 @@ tiles and work units of :func:`tiling_geometry`, each with its fixed cost), with
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 import numpy as np
@@ -22,7 +23,7 @@ from .problem import AttentionProblem
 from .threads import default_num_threads
 from .tiles.band import block_key_spans, head_groups, square_width, tile_plan_sizes
 from .tiles.blocks import unit_count
-from .tuning import BLOCK_K_DIAGONAL
+from .tuning import BLOCK_K, BLOCK_K_DIAGONAL
 
 __all__ = [
     "CACHE_BYTES",
@@ -174,7 +175,7 @@ def tiling_geometry(
     """
     T, S = problem.T, problem.S
     F, bq, bk = tile_plan_sizes(problem, block_q, block_k)
-    outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // max(F, 1)
+    outer = math.prod(problem.batch_shape) // max(F, 1)
     groups = head_groups(problem, F, bq)  # units per block of rows: several heads to a unit
     num_threads = default_num_threads()
     if problem.band == (None, None):  # every block of rows walks all the keys (decoding, fast)
@@ -188,6 +189,8 @@ def tiling_geometry(
             outer * F * T * S,
             min(num_threads, max(units, 1)),
         )
+    wide = BLOCK_K.get(problem.work_dtype, 0) if block_k is None else 0
+    wide = wide if wide > bk and wide % bk == 0 else bk  # as sdpa.tiles.band.unit_pieces
     t0, t1, start, stop = block_key_spans(T, S, bq, problem.offset, *problem.band)
     n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
     n_steps = n_tiles.copy()
@@ -195,7 +198,7 @@ def tiling_geometry(
     if block_diagonal is None:
         block_diagonal = BLOCK_K_DIAGONAL.get(problem.work_dtype, 0)
     if problem.allowed is None and problem.bias is None:
-        squares = _square_counts(t0, t1, S, bk, block_diagonal, problem)
+        squares = _square_counts(t0, t1, S, bk, block_diagonal, wide, problem)
         if squares is not None:
             square, sq_tiles, sq_steps, sq_scores = squares
             n_tiles = np.where(square, sq_tiles, n_tiles)
@@ -207,18 +210,19 @@ def tiling_geometry(
     return units, tiles, steps, outer * F * int(scores.sum()), min(num_threads, max(units, 1))
 
 
-def _square_counts(t0, t1, S: int, bk: int, d: int, problem: AttentionProblem):
+def _square_counts(t0, t1, S: int, bk: int, d: int, wide: int, problem: AttentionProblem):
     """For the blocks of rows that walk their causal diagonal in squares of ``bk`` rows, in
-    pieces of ``d`` keys (:func:`sdpa.tiles.band.unit_pieces`): ``(square, tiles, steps,
-    scores)``, int64 arrays over the blocks (``square`` bool: the blocks that do), one head's
-    counts; None when no block can."""
+    pieces of ``d`` keys, and the keys before it in pieces of ``wide``
+    (:func:`sdpa.tiles.band.unit_pieces`): ``(square, tiles, steps, scores)``, int64 arrays
+    over the blocks (``square`` bool: the blocks that do), one head's counts (a tile: ``bk``
+    keys of a piece, or a piece inside a square); None when no block can."""
     square = square_width(t0, t1, S, bk, d, problem.offset, *problem.band) > 0
     if not square.any():
         return None
     rows, k0 = t1 - t0, t0 + problem.offset + problem.band[1]  # row t0 + y: keys to k0 + y
-    nb, left = rows // bk, -(-np.maximum(k0, 0) // bk)  # squares; pieces before the diagonal
-    steps = bk // d + (nb - 1) + left
-    tiles = nb * (bk // d) + (nb - 1) + left
+    nb, left = rows // bk, np.maximum(k0, 0)  # squares; keys before the diagonal
+    steps = bk // d + (nb - 1) + -(-left // wide)
+    tiles = nb * (bk // d) + (nb - 1) + -(-left // bk)
     scores = rows * k0 + bk * bk * (nb - 1) * nb // 2 + nb * bk * (bk + d) // 2
     return square, tiles, steps, scores
 
@@ -291,7 +295,7 @@ def estimated_times(
     True
     """
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
-    n_matrices = int(np.prod(problem.batch_shape, dtype=np.int64))
+    n_matrices = math.prod(problem.batch_shape)
     n_scores = n_matrices * T * S
     width = Dk + Dv
     masked = problem.allowed is not None or problem.bias is not None or problem.band != (None, None)
@@ -367,7 +371,7 @@ def worth_tiling(problem: AttentionProblem) -> bool:
     >>> worth_tiling(prepare_attention(x, x, x))  # 4096 scores: far below the threshold
     False
     """
-    n_scores = int(np.prod(problem.batch_shape, dtype=np.int64)) * problem.T * problem.S
+    n_scores = math.prod(problem.batch_shape) * problem.T * problem.S
     if n_scores < MIN_TILED_SCORES:
         return False
     reference, tiled = estimated_times(problem)

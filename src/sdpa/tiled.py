@@ -66,6 +66,7 @@ attention, or of any batch axis along which the keys and values do not vary.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,7 +99,7 @@ from .tiles.blocks import SquarePiece
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import ALL, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
-from .tuning import BLOCK_K_DIAGONAL, FOLD_LIMIT, tile_exponential
+from .tuning import BLOCK_K, BLOCK_K_DIAGONAL, FOLD_LIMIT, tile_exponential
 
 __all__ = ["TileStats", "attention_tiled", "tile_map"]
 
@@ -276,6 +277,7 @@ class _Plan:
     n: int  # heads (entries of the last outer axis) per unit
     block_q: int
     block_k: int
+    wide: int  # keys of a piece before a diagonal in squares (sdpa.tiles.band.unit_pieces)
     diagonal: int  # keys of a piece inside the squares of a causal diagonal (0: strips only)
     dtype: np.dtype
     may_overflow: bool  # check every tile's scores for overflow (see attention.check_overflow)
@@ -298,6 +300,10 @@ def _make_plan(
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
     bs = problem.batch_shape
+    # keys before a causal diagonal in squares: in pieces of BLOCK_K (unless the user set
+    # block_k, which then sizes every piece)
+    squares = problem.band[0] is None and problem.band[1] is not None
+    wide = BLOCK_K.get(dtype, 0) if block_k is None and squares else 0
     G, block_q, block_k = tile_plan_sizes(problem, block_q, block_k, num_threads)
     fold = G > 1
     outer = bs[:-1] if fold else bs
@@ -354,6 +360,7 @@ def _make_plan(
         n=heads_per_unit(problem, G, block_q, outer, num_threads),
         block_q=int(block_q),
         block_k=int(block_k),
+        wide=int(wide),
         diagonal=BLOCK_K_DIAGONAL.get(dtype, 0) if block_diagonal is None else block_diagonal,
         dtype=dtype,
         may_overflow=problem.may_overflow,
@@ -370,7 +377,7 @@ class _Space(Workspace):
     shifts, and the keys with a column of ones (made only when a shift is folded in)."""
 
     def __init__(self, plan: _Plan):
-        rows, bk = plan.n * plan.G * plan.block_q, min(plan.block_k, plan.S)
+        rows, bk = plan.n * plan.G * plan.block_q, min(max(plan.block_k, plan.wide), plan.S)
         super().__init__(rows, bk, plan.Dv, plan.dtype)
         self.q_shifted = np.empty(rows * (plan.Dk + 1), plan.dtype)  # [query * scale | -m]
         self.disallowed = np.empty(rows * bk, bool) if plan.allowed is not None else None
@@ -573,7 +580,8 @@ class _Worker:
         pieces = self.pieces(unit)
         checked_whole = False  # a single piece that every row met: checked after it already
         for i, piece in enumerate(pieces):
-            run, tiles = piece.run, unit.n * piece.parts  # a tile of each head (and square)
+            run, strips = piece.run, -(-(piece.s1 - piece.s0) // plan.block_k)
+            tiles = unit.n * piece.parts * strips  # a tile of each head (and square) and strip
             disallowed, weights, masked = self.piece_disallowed(unit, piece)
             if disallowed is _EVERY_KEY:
                 stats.skipped_mask += tiles
@@ -599,7 +607,7 @@ class _Worker:
         plan = self.plan
         diagonal = plan.diagonal if unit.allowed is None and unit.bias is None else 0
         band = (plan.offset, plan.lo, plan.hi)
-        return unit_pieces(unit.t0, unit.t1, plan.S, plan.block_k, diagonal, *band)
+        return unit_pieces(unit.t0, unit.t1, plan.S, plan.block_k, diagonal, *band, plan.wide)
 
     def piece_disallowed(self, unit: _Unit, piece: BandPiece):
         """``(disallowed, weights, masked)`` of the piece: a bool array, True where the scores
@@ -657,7 +665,7 @@ def _run(plan: _Plan, num_threads: int | None, stats: TileStats | None) -> np.nd
         n_k = -(-S // plan.block_k)
         visited = sum(u[0] * (u[1][-1].stop - u[1][-1].start) for u in units)  # per head
         stats.units += len(work)
-        stats.skipped_band += n_q * n_k * int(np.prod(outer, dtype=np.int64)) - visited
+        stats.skipped_band += n_q * n_k * math.prod(outer) - visited
     return column_top(workers)
 
 
@@ -685,7 +693,9 @@ def attention_tiled(
         fewer while a thread would get no unit (two, under a causal mask or a window).
     block_k : int, optional
         Keys per tile; default ``BLOCK_K``, or ``BLOCK_K_BAND`` under a causal mask or a
-        window (whose pieces meet only the rows their keys are allowed to).
+        window (whose pieces meet only the rows their keys are allowed to), the keys before
+        a causal diagonal in squares then in pieces of ``BLOCK_K`` (two tiles to a step).
+        Given, every piece is at most ``block_k`` keys.
     block_diagonal : int, optional
         Under a causal mask without a mask or a bias: keys per piece inside the squares of
         ``block_k`` rows that a unit walks its diagonal in, when ``block_k`` is a multiple of

@@ -91,6 +91,12 @@ BLOCK_K_BAND = MappingProxyType({_F32: 256, _F64: 256})
 # 0.59, pieces of 32 0.80, 0.67, 0.66, of 64 0.72, 0.61, 0.60, of 128 0.70, 0.62, 0.59 (the
 # small products gain less on two threads: batched 64 x 64 products ran 1.44 times as fast on
 # two threads as on one, 1024 x 256 ones 1.94 times).
+# The keys before the squares, which every row of the unit meets, come in pieces of BLOCK_K
+# (the dense face; flex's follow its blocks): fewer, longer steps. Against pieces of
+# BLOCK_K_BAND, float32, two threads (same machine; medians of 7 runs in alternating
+# processes): 1 x 8 x 4096 0.97, 1 x 32 x 2048 0.98, 1 x 1 x 4096 1.01 of the time. Strips
+# meeting the same rows joined alike took 1.08 of the time at 1 x 1 x 1024 (units of 256 rows,
+# in strips), and were left apart.
 #: Keys per piece inside the squares of a causal diagonal, by working dtype (0: strips only).
 BLOCK_K_DIAGONAL = MappingProxyType({_F32: 64, _F64: 64})
 

@@ -460,6 +460,10 @@ def test_auto_tiles_one_query_row_over_one_long_key_head(rng, spy):
         ((2, 4, 768, 8), None, dict(is_causal=True, enable_gqa=True)),  # squares, 2 heads folded
         ((1, 2, 512, 8), None, dict(is_causal=True, causal_alignment="bottom_right")),
         ((2, 1024, 8), (2, 1024, 1024), dict(is_causal=True)),  # a mask: strips
+        # float32: keys before a diagonal in squares in pieces of BLOCK_K, two tiles each
+        ((1, 1, 2048, 8), None, dict(is_causal=True, dtype=np.float32)),
+        ((1, 1, 4096, 8), None, dict(is_causal=True, dtype=np.float32)),
+        ((2, 1, 1000, 8), None, dict(window=(300, 0), dtype=np.float32)),
     ],
 )
 def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, kw):
@@ -467,7 +471,7 @@ def test_tiling_geometry_counts_what_the_kernel_visits(rng, shape, mask_shape, k
     from sdpa.cost_model import tiling_geometry
     from sdpa.threads import default_num_threads
 
-    q = normal(rng, shape)
+    q = normal(rng, shape, kw.pop("dtype", np.float64))
     k = normal(rng, shape[:-3] + (shape[-3] // 2,) + shape[-2:]) if kw.get("enable_gqa") else q
     mask = None if mask_shape is None else np.ones(mask_shape, dtype=bool)
     is_causal = kw.pop("is_causal", False)
@@ -1213,6 +1217,38 @@ def test_causal_squares_give_the_same_bits_on_any_thread_count(rng, num_threads)
     got = attention_tiled(problem, num_threads=num_threads, **kw)
     for a, b in zip(one, got):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "s, alignment, before", [(2048, "top_left", 0), (2560, "bottom_right", 512)]
+)
+def test_causal_keys_before_squares_come_in_pieces_of_block_k(rng, s, alignment, before):
+    # float32 with the default key sizes: squares of BLOCK_K_BAND = 256 rows along the
+    # diagonal, pieces of 64 keys inside them, and the keys before the diagonal, which every
+    # row meets, in pieces of BLOCK_K = 512 (two tiles in one step). Units of 512 rows (two
+    # squares) start at t0 = 0, 512, 1024, 1536; unit t0 has t0 + before keys before its
+    # diagonal. Each unit: 4 pieces in squares (a tile of each of its 2 squares), 1 strip of
+    # the first square's keys for the rows below it, then the keys before the diagonal.
+    from sdpa.tuning import BLOCK_K, BLOCK_K_BAND
+
+    f32 = np.dtype(np.float32)
+    assert (BLOCK_K_BAND[f32], BLOCK_K[f32]) == (256, 512), "the counts below assume these"
+    q, k, v = (normal(rng, (1, n, 8), np.float32) for n in (2048, s, s))
+    problem = prepare_attention(q, k, v, is_causal=True, causal_alignment=alignment)
+    left = [(t0 + before) // 256 for t0 in (0, 512, 1024, 1536)]  # tiles before the diagonal
+    tiles = sum(4 * 2 + 1 + n for n in left)
+    wide, narrow = sum(4 + 1 + -(-n // 2) for n in left), sum(4 + 1 + n for n in left)
+    results = {}
+    for block_k, steps in ((None, wide), (256, narrow)):
+        stats = TileStats()
+        kw = dict(block_q=512, block_k=block_k, block_diagonal=64, stats=stats)
+        results[block_k] = attention_tiled(problem, **kw)
+        assert (stats.units, stats.computed, stats.steps) == (4, tiles, steps)
+    want = reference(q, k, v, None, True, causal_alignment=alignment)
+    out, lse = results[None]
+    assert_same(problem.finish(out, lse=lse), want, np.float32)
+    for a, b in zip(results[None], results[256]):
+        np.testing.assert_allclose(a, b, **TOL[np.float32])
 
 
 def test_block_diagonal_errors(rng):

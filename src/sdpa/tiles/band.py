@@ -13,6 +13,7 @@ Shape letters: ``T`` queries, ``S`` keys, ``G`` heads folded into a unit's rows.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -94,7 +95,7 @@ def square_width(t0, t1, S: int, block_k: int, diagonal: int, offset: int, lo, h
 
 
 def unit_pieces(
-    t0: int, t1: int, S: int, block_k: int, diagonal: int, offset: int, lo, hi
+    t0: int, t1: int, S: int, block_k: int, diagonal: int, offset: int, lo, hi, wide: int = 0
 ) -> list[BandPiece]:
     """The pieces the dense face walks for the unit of queries ``t0:t1``, in order.
 
@@ -106,10 +107,12 @@ def unit_pieces(
     up to ``k0 + y``): first the squares themselves, a piece of ``diagonal`` keys at a time
     for all squares at once (``parts``), the one at ``a`` keys into each square for its rows
     from ``a`` on; then the strip of each square's keys for the rows below the square; then
-    the keys before the diagonal, which every row meets, at multiples of ``block_k``. The
-    masked triangle computed is then ``diagonal / 2`` keys a row rather than ``block_k / 2``.
+    the keys before the diagonal, which every row meets, at multiples of ``wide`` (a multiple
+    of ``block_k``; default ``block_k``). The masked triangle computed is then
+    ``diagonal / 2`` keys a row rather than ``block_k / 2``.
     """
     band = (offset, lo, hi)
+    wide = wide if wide > block_k and wide % block_k == 0 else block_k
     w = square_width(t0, t1, S, block_k, diagonal, *band)
     if not w:
         start, stop = band_keys(t0, t1, S, *band)
@@ -125,8 +128,8 @@ def unit_pieces(
               for a in range(0, w, diagonal)]  # fmt: skip
     pieces += [BandPiece(k0 + b * w, k0 + (b + 1) * w, slice((b + 1) * w, rows))
                for b in range(squares - 1)]  # fmt: skip
-    pieces += [BandPiece(s0, min(s0 + block_k, k0), slice(0, rows))
-               for s0 in range(0, k0, block_k)]  # fmt: skip
+    pieces += [BandPiece(s0, min(s0 + wide, k0), slice(0, rows))
+               for s0 in range(0, k0, wide)]  # fmt: skip
     return pieces
 
 
@@ -242,7 +245,7 @@ def tile_plan_sizes(
     G = problem.batch_shape[-1] if fold_axis(problem) else 1
     banded = problem.band != (None, None)
     if block_q is None:
-        outer = int(np.prod(problem.batch_shape, dtype=np.int64)) // G
+        outer = math.prod(problem.batch_shape) // G
         per_thread = 2 if banded else 1
         rows = unit_rows(problem.work_dtype, problem.T, G, outer, num_threads, per_thread)
         block_q = max(1, rows // G)
@@ -289,7 +292,7 @@ def heads_per_unit(
     heads, dtype = outer[-1], problem.work_dtype
     rows = G * min(problem.T, block_q)  # a unit's rows for one head
     if rows < BLOCK_ROWS.get(dtype, 128) and problem.S >= BLOCK_K.get(dtype, 512):
-        if int(np.prod(outer, dtype=np.int64)) * rows * problem.S <= SHORT_CALL_SCORES:
+        if math.prod(outer) * rows * problem.S <= SHORT_CALL_SCORES:
             return heads
         threads = num_threads or default_num_threads()
         return int(max(1, min(-(-heads // threads), BLOCK_ROWS_FULL.get(dtype, 1024) // rows)))
@@ -297,7 +300,7 @@ def heads_per_unit(
         return 1
     # flex's rule for a mask that does not depend on the head: a row of one block as wide as
     # the widest unit's keys (S under a causal mask; the rows and the window under a window)
-    n_q, lead = -(-problem.T // block_q), int(np.prod(outer[:-1], dtype=np.int64))
+    n_q, lead = -(-problem.T // block_q), math.prod(outer[:-1])
     _, _, start, stop = block_key_spans(
         problem.T, problem.S, block_q, problem.offset, *problem.band
     )
@@ -317,4 +320,4 @@ def head_groups(problem: AttentionProblem, G: int, block_q: int, num_threads=Non
     axis to a unit."""
     outer = unit_outer(problem, G)
     n = heads_per_unit(problem, G, block_q, outer, num_threads)
-    return int(np.prod(outer[:-1], dtype=np.int64)) * -(-outer[-1] // n)
+    return math.prod(outer[:-1]) * -(-outer[-1] // n)

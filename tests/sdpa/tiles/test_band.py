@@ -268,7 +268,8 @@ def causal_unit(draw):
     t1 = t0 + draw(st.sampled_from([block_k, 2 * block_k, 3 * block_k, draw(st.integers(1, 13))]))
     T, S = t1 + draw(st.integers(0, 3)), draw(st.integers(1, 40))
     offset, hi = draw(st.integers(-6, 6)), draw(st.integers(-3, 3))
-    return T, S, offset, hi, t0, t1, block_k, diagonal
+    wide = draw(st.sampled_from([0, block_k, 2 * block_k, 3 * block_k, block_k + 1]))
+    return T, S, offset, hi, t0, t1, block_k, diagonal, wide
 
 
 @SETTINGS
@@ -276,21 +277,29 @@ def causal_unit(draw):
 def test_unit_pieces_compute_every_allowed_score_once(u):
     # In strips or in squares, the pieces cover each allowed score of the unit exactly once;
     # what they compute beyond the band lies, in squares, inside the diagonal's pieces of
-    # `diagonal` keys (half a square of them per row at most), and no piece is empty.
-    T, S, offset, hi, t0, t1, block_k, diagonal = u
+    # `diagonal` keys (half a square of them per row at most), and no piece is empty. In
+    # squares, the keys before the diagonal come in pieces of `wide` keys (when a multiple of
+    # block_k), which every row meets; strips are never wider than block_k.
+    T, S, offset, hi, t0, t1, block_k, diagonal, wide = u
     allowed = band(T, S, offset, None, hi)[t0:t1]
     for d in (0, diagonal):
-        pieces = unit_pieces(t0, t1, S, block_k, d, offset, None, hi)
+        pieces = unit_pieces(t0, t1, S, block_k, d, offset, None, hi, wide)
         count = covered(pieces, t0, t1, S)
         assert (count[allowed] == 1).all() and count.max() <= 1
         assert all(p.s1 > p.s0 and p.run.stop > p.run.start for p in pieces)
         wasted = (count == 1) & ~allowed
         if square_width(t0, t1, S, block_k, d, offset, None, hi):
+            k0 = t0 + offset + hi  # the diagonal's first key
+            left = [p for p in pieces if p.s1 <= k0 and p.parts == 1 and p.run.start == 0]
+            step = wide if wide > block_k and wide % block_k == 0 else block_k
+            assert [(p.s0, p.s1) for p in left] == [
+                (s0, min(s0 + step, k0)) for s0 in range(0, max(k0, 0), step)
+            ]
             assert all(p.s1 - p.s0 == d for p in pieces if p.parts > 1)
             assert wasted.sum(axis=1).max() <= d - 1  # the row's own sub-square, above it
-            assert len(pieces) == block_k // d + (t1 - t0) // block_k - 1 + -(
-                -(t0 + offset + hi) // block_k
-            )
+            assert len(pieces) == block_k // d + (t1 - t0) // block_k - 1 + -(-k0 // step)
+        else:
+            assert all(p.s1 - p.s0 <= block_k for p in pieces)
 
 
 def test_unit_pieces_of_a_causal_unit_in_squares():
@@ -305,6 +314,9 @@ def test_unit_pieces_of_a_causal_unit_in_squares():
         (4, 8, slice(0, 8), 1),
     ]
     assert square_width(8, 16, 16, 4, 2, 0, None, 0) == 4
+    # with pieces of 8 keys before the diagonal: one of them
+    wide = unit_pieces(8, 16, 16, 4, 2, 0, None, 0, wide=8)
+    assert wide[:3] == pieces[:3] and tuple(wide[3]) == (0, 8, slice(0, 8), 1) and len(wide) == 4
     # no squares: a window (a lower edge too), rows not a whole number of squares, the
     # diagonal past the last key, a diagonal width that does not divide the squares'
     assert square_width(8, 16, 16, 4, 2, 0, -5, 0) == 0
