@@ -117,10 +117,10 @@ def _nnls(A, b, iterations=20):
     return x
 
 
-def _features(problem):
-    """The terms of ``sdpa.cost_model.estimated_times``, per path, for one problem: the model
-    itself, with one constant at 1 and the others at 0 (so the fit follows its geometry, GQA's
-    shared key reads included)."""
+def _features(problem, num_threads=None):
+    """The terms of ``sdpa.cost_model.estimated_times``, per path, for one problem (the tiled
+    path's on ``num_threads``, default all cores): the model itself, with one constant at 1
+    and the others at 0 (so the fit follows its geometry, GQA's shared key reads included)."""
     from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times
 
     def one_hot(costs, key):
@@ -132,9 +132,12 @@ def _features(problem):
         for k in REFERENCE_COST
     ]
     tiled = [
-        estimated_times(problem, reference_cost=zero_ref, tiled_cost=one_hot(TILED_COST, k))[1]
+        estimated_times(
+            problem, reference_cost=zero_ref, tiled_cost=one_hot(TILED_COST, k),
+            num_threads=num_threads,
+        )[1]
         for k in TILED_COST
-    ]
+    ]  # fmt: skip
     return reference, tiled
 
 
@@ -147,16 +150,23 @@ def _problem(lead, T, n, d, is_causal, kv_heads, dtype=np.float32):
 
 
 def measure_auto(rounds=5, dtype=np.float32, idle=0.15):
-    """Wall times of both paths on ``auto_grid()``, as `make bench` measures them: each path
-    as a user calls it (all cores), the two taking turns round after round with ``idle``
-    seconds before each call, each keeping its best round (microseconds)."""
+    """Wall times of both paths on ``auto_grid()``, as `make bench` measures them: the
+    reference path as a user calls it, the tiled path on all cores and on one thread, taking
+    turns round after round with ``idle`` seconds before each call, each keeping its best
+    round (microseconds)."""
     from sdpa.attention import attention_reference
+    from sdpa.threads import default_num_threads
     from sdpa.tiled import attention_tiled
 
+    threads = default_num_threads()
     rows = []
     for lead, T, n, d, is_causal, kv_heads in auto_grid():
         problem = _problem(lead, T, n, d, is_causal, kv_heads, dtype)
-        paths = {"ref": attention_reference, "tiled": attention_tiled}
+        paths = {
+            "ref": attention_reference,
+            "tiled": lambda p: attention_tiled(p, num_threads=threads),
+            "tiled1": lambda p: attention_tiled(p, num_threads=1),
+        }
         best = {name: np.inf for name in paths}
         for f in paths.values():
             f(problem)
@@ -170,7 +180,8 @@ def measure_auto(rounds=5, dtype=np.float32, idle=0.15):
         rows.append(row | {name: 1e6 * t for name, t in best.items()})
         print(
             f"{str(lead):9} kv={kv_heads!s:4} T={T:5} S={n:5} d={d:3} causal={is_causal!s:5}: "
-            f"wall reference {best['ref'] * 1e3:9.2f} ms, tiled {best['tiled'] * 1e3:9.2f} ms",
+            f"wall reference {best['ref'] * 1e3:9.2f} ms, tiled {best['tiled'] * 1e3:9.2f} ms "
+            f"(one thread {best['tiled1'] * 1e3:9.2f} ms)",
             flush=True,
         )
     return rows
@@ -191,6 +202,7 @@ def load_rows(path):
             kv_heads=case.get("kv_heads"),
             ref=1e6 * case["time"]["reference"],
             tiled=1e6 * case["time"]["tiled"],
+            tiled1=None,  # the tiled path as a user calls it, on the threads the model picked
         )
         for case in data["auto"]
     ]
@@ -213,11 +225,41 @@ def _set_shares(values):
         setattr(cost_model, name, MappingProxyType(table))
 
 
+def _estimates(row, model_ref, model_til):
+    """``(reference, tiled, tiled1)``: the model's estimates for a row, the tiled path on all
+    cores and on one thread."""
+    from sdpa.cost_model import estimated_times
+
+    pr, pt = estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
+    p1 = estimated_times(
+        row["problem"], reference_cost=model_ref, tiled_cost=model_til, num_threads=1
+    )[1]
+    return pr, pt, p1
+
+
+def _measured(row) -> dict:
+    """The row's measured paths: ``ref``, ``tiled`` and, where measured, ``tiled1``."""
+    return {k: row[k] for k in ("ref", "tiled", "tiled1") if row.get(k) is not None}
+
+
+def _choice(row, pr, pt, p1) -> str:
+    """The path ``implementation="auto"`` takes with these estimates (as
+    ``sdpa.cost_model.auto_path``, its shortcut aside): ``ref``, ``tiled`` or ``tiled1``. The
+    path is chosen against the tiled path on all cores, then the threads."""
+    from sdpa.cost_model import MIN_TILED_SCORES
+
+    if not (pt < pr and row["scores"] >= MIN_TILED_SCORES):
+        return "ref"
+    return "tiled1" if p1 <= pt and "tiled1" in _measured(row) else "tiled"
+
+
 def _decision_loss(rows, names_ref, names_til, z):
-    """Mean squared log error of both estimates, plus, for each case whose paths differ by
-    more than 5 %, a smooth penalty when the model prefers the slower path, weighted by how
-    much slower it is (cases below ``MIN_TILED_SCORES`` never tile, and do not count)."""
-    from sdpa.cost_model import MIN_TILED_SCORES, estimated_times
+    """Mean squared log error of the estimates, plus, for each case whose paths differ by
+    more than 5 %, a smooth penalty when the model prefers the slower of two (the reference
+    path against the tiled path on all cores, and the tiled path's two thread counts),
+    weighted by how much slower it is (cases below ``MIN_TILED_SCORES`` never tile, and do
+    not count in the first)."""
+    from sdpa.cost_model import MIN_TILED_SCORES
 
     c = np.exp(z)
     _set_shares(c[len(names_ref) + len(names_til) :])
@@ -225,11 +267,18 @@ def _decision_loss(rows, names_ref, names_til, z):
     model_til = dict(zip(names_til, c[len(names_ref) : len(names_ref) + len(names_til)]))
     loss = 0.0
     for row in rows:
-        pr, pt = estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
+        pr, pt, p1 = _estimates(row, model_ref, model_til)
+        measured = _measured(row)
         loss += 0.05 * (np.log(pr / row["ref"]) ** 2 + np.log(pt / row["tiled"]) ** 2)
-        gap = np.log(row["ref"] / row["tiled"])  # > 0: the tiled path is the faster
-        if abs(gap) > 0.05 and row["scores"] >= MIN_TILED_SCORES:
-            loss += abs(gap) * np.logaddexp(0, -8 * np.sign(gap) * np.log(pr / pt)) / 8
+        pairs = []  # (measured log ratio a / b, the model's)
+        if "tiled1" in measured:
+            loss += 0.05 * np.log(p1 / row["tiled1"]) ** 2
+            pairs.append((np.log(row["tiled1"] / row["tiled"]), np.log(p1 / pt)))
+        if row["scores"] >= MIN_TILED_SCORES:
+            pairs.append((np.log(row["ref"] / row["tiled"]), np.log(pr / pt)))
+        for gap, estimate in pairs:  # gap > 0: the second is the faster
+            if abs(gap) > 0.05:
+                loss += abs(gap) * np.logaddexp(0, -8 * np.sign(gap) * estimate) / 8
     return loss / len(rows)
 
 
@@ -269,7 +318,7 @@ def auto(rows):
     moves with the machine and its load: measure on an idle machine, and state which.
     """
     from sdpa import cost_model
-    from sdpa.cost_model import REFERENCE_COST, TILED_COST, estimated_times
+    from sdpa.cost_model import REFERENCE_COST, TILED_COST
 
     for row in rows:
         row["problem"] = _problem(
@@ -277,14 +326,17 @@ def auto(rows):
         )
         row["scores"] = int(np.prod(row["lead"])) * row["T"] * row["n"]
         row["ref_x"], row["tiled_x"] = _features(row["problem"])
+        if row.get("tiled1") is not None:
+            row["tiled1_x"] = _features(row["problem"], num_threads=1)[1]
 
-    def fit(key):
-        A = np.array([r[key + "_x"] for r in rows], dtype=float)
-        b = np.array([r[key] for r in rows])
-        return _nnls(A / b[:, None], np.ones(len(rows)))
+    def fit(*keys):  # the rows' observations of these paths, one set of constants
+        seen = [(r[key + "_x"], r[key]) for r in rows for key in keys if r.get(key) is not None]
+        A = np.array([x for x, _ in seen], dtype=float)
+        b = np.array([t for _, t in seen])
+        return _nnls(A / b[:, None], np.ones(len(seen)))
 
     names_ref, names_til = list(REFERENCE_COST), list(TILED_COST)
-    linear = np.concatenate([fit("ref"), fit("tiled")])
+    linear = np.concatenate([fit("ref"), fit("tiled", "tiled1")])
     shares = [getattr(cost_model, name)[key] for name, key in SHARES]
     current = {name: getattr(cost_model, name) for name in ("CACHED_READ", "PACKED_READ")}
     z = np.log(np.concatenate([np.maximum(linear, 1e-9), shares]))
@@ -300,15 +352,15 @@ def auto(rows):
     def report(label, model_ref, model_til):
         worst = 1.0
         for row in rows:
-            r, t = estimated_times(row["problem"], reference_cost=model_ref, tiled_cost=model_til)
-            tile = t < r and row["scores"] >= cost_model.MIN_TILED_SCORES
-            ratio = row["tiled" if tile else "ref"] / min(row["ref"], row["tiled"])
+            chosen = _choice(row, *_estimates(row, model_ref, model_til))
+            measured = _measured(row)
+            ratio = measured[chosen] / min(measured.values())
             worst = max(worst, ratio)
             if ratio > 1.1:
                 print(
                     f"  {label} model: {row['lead']}/{row['kv_heads']} T={row['T']} S={row['n']}"
-                    f" d={row['d']} causal={row['causal']}: takes "
-                    f"{'tiled' if tile else 'reference'}, {ratio:.2f} x the faster"
+                    f" d={row['d']} causal={row['causal']}: takes {chosen}, {ratio:.2f} x the "
+                    "faster"
                 )
         print(f"{label} model: worst chosen/faster {worst:.2f}")
 

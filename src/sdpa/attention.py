@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._checks import check_bool, check_memory, check_probability, check_rng
-from .cost_model import worth_tiling
+from .cost_model import auto_path
 from .problem import (
     AttentionProblem,
     mark_poisoned,
@@ -246,8 +246,9 @@ def scaled_dot_product_attention(
         tiles and work units, each with its fixed cost) predicts it to be faster, or when the
         reference path's ``(..., T, S)`` arrays would take more than a quarter of the
         available memory; otherwise the reference path. Many small heads therefore stay on
-        the reference path however many scores they hold. Both give the same result up to
-        rounding.
+        the reference path however many scores they hold. A tiled call too short to repay
+        starting worker threads runs on one thread (``sdpa.cost_model.tiled_threads``). All
+        give the same result up to rounding.
 
     Returns
     -------
@@ -417,12 +418,12 @@ def scaled_dot_product_attention(
         window=window,
         sinks=sinks,
     )
+    threads = None  # implementation="tiled": all cores
     if implementation == "auto":
-        tiled = not return_weights and dropout_p == 0.0 and worth_tiling(problem)
-    else:
-        tiled = implementation == "tiled"
-    if tiled:
-        out, lse = attention_tiled(problem)
+        auto = not return_weights and dropout_p == 0.0
+        threads = auto_path(problem) if auto else 0  # 0: the reference path
+    if implementation == "tiled" or threads:
+        out, lse = attention_tiled(problem, num_threads=threads)
         weights = None
     else:
         out, weights, lse = attention_reference(problem, dropout_p, rng)

@@ -35,8 +35,10 @@ __all__ = [
     "PACKED_READ",
     "REFERENCE_COST",
     "TILED_COST",
+    "auto_path",
     "estimated_times",
     "flex_worth_tiling",
+    "tiled_threads",
     "tiling_geometry",
     "worth_tiling",
 ]
@@ -118,12 +120,13 @@ CACHE_BYTES = 2 << 20
 # heads, T = 1 (4 rows per tile), S = 4096 and 16384: 42 to 46 us per tile of 512 keys at
 # Dk = Dv = 64, 15 to 19 us at 16, that is 4.7e-4 us per entry of Dk + Dv read, as the
 # reference path's packed read (PACKED_READ); at T = 128 a tile costs 690 us, the products.
-#: The tiled path's costs, in microseconds: per call, per work unit, per further step, per
-#: computed score, per computed score and unit of ``Dk + Dv``, per key and value entry a tile
-#: reads (the last three shared by the worker threads).
+#: The tiled path's costs, in microseconds: per call (with worker threads, and on one thread),
+#: per work unit, per further step, per computed score, per computed score and unit of
+#: ``Dk + Dv``, per key and value entry a tile reads (the last three shared by the threads).
 TILED_COST = MappingProxyType(
     dict(
         call=2860.0,  # validation, the plan, starting the worker threads on cold cores
+        solo=1240.0,  # the same on one thread, which starts none
         unit=83.6,  # per work unit: its first tile and its bookkeeping (holds the GIL)
         tile=27.0,  # per further step: the NumPy calls' dispatch (holds the GIL)
         score=0.00103,  # per computed score: exp and the row sums
@@ -138,6 +141,7 @@ def tiling_geometry(
     block_q: int | None = None,
     block_k: int | None = None,
     block_diagonal: int | None = None,
+    num_threads: int | None = None,
 ) -> tuple[int, int, int, int, int]:
     """The work the tiled path would do for ``problem``, from the shapes alone.
 
@@ -145,8 +149,9 @@ def tiling_geometry(
     ----------
     problem : AttentionProblem
         From :func:`sdpa.problem.prepare_attention`.
-    block_q, block_k, block_diagonal : int, optional
-        Tile sizes, as in :func:`sdpa.tiled.attention_tiled` (default: its defaults).
+    block_q, block_k, block_diagonal, num_threads : int, optional
+        Tile sizes and threads, as in :func:`sdpa.tiled.attention_tiled` (default: its
+        defaults; the default ``block_q`` depends on the threads).
 
     Returns
     -------
@@ -174,10 +179,10 @@ def tiling_geometry(
     (4, 8, 8, 1000000)
     """
     T, S = problem.T, problem.S
-    F, bq, bk = tile_plan_sizes(problem, block_q, block_k)
+    num_threads = num_threads or default_num_threads()
+    F, bq, bk = tile_plan_sizes(problem, block_q, block_k, num_threads)
     outer = math.prod(problem.batch_shape) // max(F, 1)
-    groups = head_groups(problem, F, bq)  # units per block of rows: several heads to a unit
-    num_threads = default_num_threads()
+    groups = head_groups(problem, F, bq, num_threads)  # units per block of rows
     if problem.band == (None, None):  # every block of rows walks all the keys (decoding, fast)
         n_q = -(-T // bq)
         row_tiles = n_q * -(-S // bk) if S else 0
@@ -252,6 +257,7 @@ def estimated_times(
     *,
     reference_cost: dict[str, float] | None = None,
     tiled_cost: dict[str, float] | None = None,
+    num_threads: int | None = None,
 ) -> tuple[float, float]:
     """The cost model's estimate of both paths' wall time for ``problem``, in microseconds.
 
@@ -262,6 +268,8 @@ def estimated_times(
     reference_cost, tiled_cost : dict, optional
         The model's constants, with the keys of ``REFERENCE_COST`` and ``TILED_COST`` (the
         defaults); ``benchmarks/tune.py`` passes fitted ones to compare.
+    num_threads : int, optional
+        The tiled path's threads (default :func:`sdpa.threads.default_num_threads`).
 
     Returns
     -------
@@ -305,19 +313,19 @@ def estimated_times(
         + n_matrices * (r["matrix"] + r["io"] * (T * width + _key_reads(problem)))
         + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
     )
-    units, tiles, steps, scores, num_threads = tiling_geometry(problem)
+    units, tiles, steps, scores, num_threads = tiling_geometry(problem, num_threads=num_threads)
     c = TILED_COST if tiled_cost is None else tiled_cost
     # Python between NumPy's calls holds the GIL: the workers take turns at it (per unit, per
     # step: a unit of several heads computes a tile of each in one round of calls), while the
     # work inside NumPy's loops and products (per score, per key entry a tile reads) runs in
     # parallel.
     overhead = c["unit"] * units + c["tile"] * max(0, steps - units)
-    key_reads = tiles * tile_plan_sizes(problem)[2] * width  # a partial last tile as a whole
+    key_reads = tiles * tile_plan_sizes(problem)[2] * width  # a partial tile as a whole
     work = scores * (c["score"] + c["score_width"] * width) + c["io"] * key_reads
-    # One thread starts no workers (a single unit, as with one key head): its call costs what
-    # the reference path's does. Hq = 32 query heads over one key head, T = 1, S = 4096: the
+    # One thread starts no workers (a single unit, as with one key head, or a short call on one
+    # thread): its call costs less. Hq = 32 query heads over one key head, T = 1, S = 4096: the
     # tiled path took 1.39 to 1.57 ms, the model with the workers' start said 2.9 ms.
-    call = c["call"] if num_threads > 1 else r["call"]
+    call = c["call"] if num_threads > 1 else c["solo"]
     return reference, call + overhead + work / num_threads
 
 
@@ -347,6 +355,102 @@ def _cache(problem: AttentionProblem) -> str:
     return "within_cache" if nbytes <= CACHE_BYTES else "beyond_cache"
 
 
+def tiled_threads(problem: AttentionProblem) -> int:
+    """The threads ``implementation="auto"`` runs the tiled path on: one when the cost model
+    expects it to finish sooner than all of them, else all of them.
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+        From :func:`sdpa.problem.prepare_attention`.
+
+    Returns
+    -------
+    int
+        ``1`` or :func:`sdpa.threads.default_num_threads`.
+
+    Notes
+    -----
+    Worker threads start on cold cores: the model's fixed cost of a call with workers
+    (``TILED_COST["call"]``) exceeds one without them (``TILED_COST["solo"]``, fitted to the
+    tiled path on one thread over `benchmarks/tune.py auto`'s 160 shapes) by 1.6 ms on the
+    2-core machine it was fitted on, which a second thread repays only from about 3 ms of
+    work. Measured there (float32, width 64, one head, 10 ms idle before each
+    call, medians of 30): at T = S = 512 one thread took 1.73 ms and two 2.42; at 1024 4.00
+    and 3.93, causal 3.50 and 4.74; at 2048 13.4 and 9.7, causal 8.0 and 8.7; at 4096,
+    causal, 26.8 and 17.8. The choice rests on the shapes alone, never on a timing.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.cost_model import tiled_threads
+    >>> from sdpa.problem import prepare_attention
+    >>> x = np.ones((512, 64), np.float32)
+    >>> tiled_threads(prepare_attention(x, x, x))
+    1
+    """
+    return _best_tiled(problem)[2]
+
+
+def _best_tiled(problem: AttentionProblem) -> tuple[float, float, int]:
+    """``(reference, tiled, threads)``: the estimates of :func:`estimated_times` (the tiled
+    path's on all cores) and the threads the tiled path would run on, one where its estimate
+    on one thread is the lower. (One thread is estimated only where the model's own terms
+    let it win: a call of workers estimated at 4 times their start's cost or more has work
+    enough to repay it.)"""
+    threads = default_num_threads()
+    reference, tiled = estimated_times(problem, num_threads=threads)
+    if threads > 1 and tiled < 4 * TILED_COST["call"]:
+        if estimated_times(problem, num_threads=1)[1] <= tiled:
+            return reference, tiled, 1
+    return reference, tiled, threads
+
+
+def auto_path(problem: AttentionProblem) -> int:
+    """The path ``implementation="auto"`` takes for ``problem``: 0 for the reference path,
+    else the threads of the tiled path (:func:`worth_tiling`, :func:`tiled_threads`).
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+        From :func:`sdpa.problem.prepare_attention`.
+
+    Returns
+    -------
+    int
+        0, or the tiled path's thread count.
+
+    Notes
+    -----
+    The path is chosen against the tiled path on all cores, as the constants were fitted and
+    `make bench` checks the choice; the threads only then. Against the tiled path on one
+    thread the model's estimate of the reference path is too low for batched small heads
+    (4 x 8 heads of 128 x 128 scores, width 64: estimated 4.3 ms, measured 6.7 to 6.9; the
+    tiled path took 5.6 to 5.9 ms on one thread, 7.5 on two), and chose it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa.cost_model import auto_path
+    >>> from sdpa.problem import prepare_attention
+    >>> x = np.ones((64, 8))
+    >>> auto_path(prepare_attention(x, x, x))  # 4096 scores: the reference path
+    0
+    """
+    n_scores = math.prod(problem.batch_shape) * problem.T * problem.S
+    if n_scores < MIN_TILED_SCORES:
+        return 0
+    reference, tiled, threads = _best_tiled(problem)
+    if tiled < reference:
+        return threads
+    need = 3 * n_scores * problem.work_dtype.itemsize
+    if need > (1 << 28):  # 256 MiB: worth asking how much memory there is
+        available = available_memory()
+        if available is not None and need > available / 4:
+            return threads
+    return 0
+
+
 def worth_tiling(problem: AttentionProblem) -> bool:
     """Whether ``implementation="auto"`` takes the tiled path for ``problem``.
 
@@ -360,7 +464,8 @@ def worth_tiling(problem: AttentionProblem) -> bool:
     bool
         False below ``MIN_TILED_SCORES`` scores; above, True when the cost model predicts the
         tiled path to be faster (:func:`estimated_times`), or when the reference path's
-        ``(T, S)`` matrices would take more than a quarter of the available memory.
+        ``(T, S)`` matrices would take more than a quarter of the available memory
+        (:func:`auto_path`).
 
     Examples
     --------
@@ -371,17 +476,7 @@ def worth_tiling(problem: AttentionProblem) -> bool:
     >>> worth_tiling(prepare_attention(x, x, x))  # 4096 scores: far below the threshold
     False
     """
-    n_scores = math.prod(problem.batch_shape) * problem.T * problem.S
-    if n_scores < MIN_TILED_SCORES:
-        return False
-    reference, tiled = estimated_times(problem)
-    if tiled < reference:
-        return True
-    need = 3 * n_scores * problem.work_dtype.itemsize
-    if need > (1 << 28):  # 256 MiB: worth asking how much memory there is
-        available = available_memory()
-        return available is not None and need > available / 4
-    return False
+    return auto_path(problem) > 0
 
 
 # -- flex_attention's rule ------------------------------------------------------------------

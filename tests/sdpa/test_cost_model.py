@@ -13,7 +13,7 @@ import pytest
 
 import sdpa.cost_model
 import sdpa.tiled
-from sdpa.cost_model import estimated_times, worth_tiling
+from sdpa.cost_model import auto_path, estimated_times, tiled_threads, worth_tiling
 from sdpa.problem import prepare_attention
 
 
@@ -82,3 +82,39 @@ def test_reference_estimate_falls_with_the_group_as_measured(t):
         # The shares of packed reads are fitted to wall times on two threads, where BLAS packs
         # in parallel: the model keeps at least half the saving one thread measures, no more.
         assert 0.5 * saving < estimates[0] - estimates[-1] < 1.3 * saving
+
+
+@pytest.mark.parametrize(
+    "t, is_causal, dtype, threads",
+    [
+        # one head, width 64, the tiled path on one thread and on two (10 ms idle before each
+        # call, medians of 30, 2-core Xeon): worker threads start on cold cores, which a
+        # second thread repays only from a few milliseconds of work
+        (512, False, np.float32, 1),  # one thread 1.73 ms, two 2.42
+        (1024, True, np.float32, 1),  # 3.50, 4.74
+        (2048, False, np.float32, 2),  # 13.4, 9.7
+        (4096, True, np.float32, 2),  # 26.8, 17.8
+        (1024, False, np.float64, 2),  # 9.04, 6.27
+        (1024, True, np.float64, 1),  # 5.59, 5.86
+        (2048, True, np.float64, 2),  # 16.8, 12.2
+    ],
+)
+def test_tiled_threads_as_measured(two_cores, t, is_causal, dtype, threads):
+    x = np.zeros((1, 1, t, 64), dtype)
+    assert tiled_threads(prepare_attention(x, x, x, is_causal=is_causal)) == threads
+
+
+def test_auto_runs_a_short_tiled_call_on_one_thread(two_cores):
+    # One causal head of 1024 x 1024 scores, width 64, float32: the reference path took 9.39
+    # ms, the tiled path 3.81 on one thread and 4.74 on two; auto tiles it, on one thread. One
+    # head of 512 x 512 scores stays on the reference path, chosen against the tiled path on
+    # all cores (the reference 2.96 ms, the tiled path 3.13 on two threads, 2.08 on one).
+    x = np.zeros((1, 1, 1024, 64), np.float32)
+    assert auto_path(prepare_attention(x, x, x, is_causal=True)) == 1
+    x = np.zeros((1, 1, 512, 64), np.float32)
+    assert auto_path(prepare_attention(x, x, x)) == 0 and not worth_tiling(
+        prepare_attention(x, x, x)
+    )
+    assert auto_path(grouped(32, 8, 1, 2048)) == 0  # the reference path (see above)
+    x = np.zeros((1, 8, 2048, 64), np.float32)  # tiled, on both threads
+    assert auto_path(prepare_attention(x, x, x)) == 2

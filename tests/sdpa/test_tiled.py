@@ -379,6 +379,31 @@ def spy(monkeypatch):
     return calls
 
 
+def test_the_public_call_runs_the_tiled_path_on_the_threads_the_model_picks(rng, monkeypatch):
+    # On two cores, "auto": one causal head of 1024 x 1024 scores on one thread (its work does
+    # not repay a second thread's start, see tests/sdpa/test_cost_model.py), eight of 2048 on
+    # two; implementation="tiled" on all cores (num_threads left to attention_tiled). The
+    # result is the reference's either way.
+    import sdpa.cost_model
+
+    monkeypatch.setattr(sdpa.cost_model, "default_num_threads", lambda: 2)
+    threads = []
+    real = attention_module.attention_tiled
+
+    def spying(problem, **kwargs):
+        threads.append(kwargs.get("num_threads"))
+        return real(problem, **kwargs)
+
+    monkeypatch.setattr(attention_module, "attention_tiled", spying)
+    small, large = normal(rng, (1, 1024, 64), np.float32), normal(rng, (8, 2048, 64), np.float32)
+    for x, implementation in ((small, "auto"), (large, "auto"), (small, "tiled")):
+        kw = dict(is_causal=True)
+        got = scaled_dot_product_attention(x, x, x, implementation=implementation, **kw)
+        want = scaled_dot_product_attention(x, x, x, implementation="reference", **kw)
+        np.testing.assert_allclose(got, want, **TOL[np.float32])
+    assert threads == [1, 2, None]
+
+
 def test_auto_takes_the_tiled_path_for_large_problems(rng, spy):
     q = normal(rng, (1, 2, 512, 16), np.float32)
     out = scaled_dot_product_attention(q, q, q, is_causal=True)
