@@ -9,11 +9,12 @@
   relative to the current default.
 * ``threshold``: wall time of ``implementation="reference"`` and ``"tiled"`` (all cores)
   interleaved, for small problems, to place ``sdpa.cost_model.MIN_TILED_SCORES``.
-* ``auto``: wall time of both paths, interleaved (best of several rounds, which is the least
-  disturbed by other processes), over a grid of head counts, lengths and widths; then a
-  least-squares fit of the cost model of ``sdpa.cost_model.estimated_times`` (relative errors,
-  coefficients kept non-negative). Prints the fitted ``REFERENCE_COST`` and ``TILED_COST`` and,
-  for each case, which path the fitted and the current models choose and what that costs.
+* ``auto``: wall time of both paths (the tiled path on all cores and on one thread),
+  interleaved (best of several rounds, which is the least disturbed by other processes), over
+  a grid of head counts, lengths and widths; then a least-squares fit of the cost model of
+  ``sdpa.cost_model.estimated_times`` (relative errors, coefficients kept non-negative).
+  Prints the fitted ``REFERENCE_COST`` and ``TILED_COST`` and, for each case where it costs
+  more than 10 %, which path (and threads) the fitted and the current models choose.
 """
 
 from __future__ import annotations
@@ -244,8 +245,9 @@ def _measured(row) -> dict:
 
 def _choice(row, pr, pt, p1) -> str:
     """The path ``implementation="auto"`` takes with these estimates (as
-    ``sdpa.cost_model.auto_path``, its shortcut aside): ``ref``, ``tiled`` or ``tiled1``. The
-    path is chosen against the tiled path on all cores, then the threads."""
+    ``sdpa.cost_model.auto_path``, but with the one-thread estimate of its own geometry where
+    the package reuses the all-cores geometry): ``ref``, ``tiled`` or ``tiled1``. The path is
+    chosen against the tiled path on all cores, then the threads."""
     from sdpa.cost_model import MIN_TILED_SCORES
 
     if not (pt < pr and row["scores"] >= MIN_TILED_SCORES):

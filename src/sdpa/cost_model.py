@@ -68,7 +68,12 @@ MIN_TILED_SCORES = 1 << 17
 # faster one on 218 of the 220 rows, and 1.12 and 1.15 on the other two (GQA decoding at
 # S = 16384, whose reference path took 10 ms in one run and 22 in another, and 8 heads of 64
 # queries over 512 keys, 2.35 against 2.71 ms). Another machine moves the crossing;
-# `make bench` checks it there.
+# `make bench` checks it there. TILED_COST["solo"], the tiled path's call on one thread (see
+# tiled_threads), was fitted on the same machine the next day, to the 160 shapes measured
+# again with the tiled path on one thread as well; the other constants were kept, since
+# refitted on that run they chose no better (worst chosen/faster 1.99 against 1.87, both on
+# many heads of 256 x 256 scores, width 8, whose tiled path took 1.8 times as long on two
+# threads as on one).
 #: The reference path's costs, in microseconds: per call, per ``(T, S)`` matrix, per input
 #: entry, per score, per score and unit of ``Dk + Dv``, per masked score.
 REFERENCE_COST = MappingProxyType(
@@ -302,19 +307,34 @@ def estimated_times(
     >>> bool(tiled < reference)
     True
     """
-    T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
-    n_matrices = math.prod(problem.batch_shape)
-    n_scores = n_matrices * T * S
-    width = Dk + Dv
-    masked = problem.allowed is not None or problem.bias is not None or problem.band != (None, None)
     r = REFERENCE_COST if reference_cost is None else reference_cost
-    reference = (
+    reference = _reference_time(problem, r)
+    c = TILED_COST if tiled_cost is None else tiled_cost
+    overhead, work, num_threads = _tiled_terms(problem, c, num_threads)
+    # One thread starts no workers (a single unit, as with one key head, or a short call on one
+    # thread): its call costs less. Hq = 32 query heads over one key head, T = 1, S = 4096: the
+    # tiled path took 1.39 to 1.57 ms, the model with the workers' start said 2.9 ms.
+    call = c["call"] if num_threads > 1 else c["solo"]
+    return reference, call + overhead + work / num_threads
+
+
+def _reference_time(problem: AttentionProblem, r) -> float:
+    """The reference path's estimate with the constants ``r``."""
+    T, S, width = problem.T, problem.S, problem.Dk + problem.Dv
+    n_matrices = math.prod(problem.batch_shape)
+    masked = problem.allowed is not None or problem.bias is not None or problem.band != (None, None)
+    return (
         r["call"]
         + n_matrices * (r["matrix"] + r["io"] * (T * width + _key_reads(problem)))
-        + n_scores * (r["score"] + r["score_width"] * width + r["masked"] * masked)
+        + n_matrices * T * S * (r["score"] + r["score_width"] * width + r["masked"] * masked)
     )
+
+
+def _tiled_terms(problem: AttentionProblem, c, num_threads: int | None):
+    """``(overhead, work, threads)`` of the tiled path's estimate with the constants ``c``:
+    what the threads do in turn, what they share, and how many there are."""
     units, tiles, steps, scores, num_threads = tiling_geometry(problem, num_threads=num_threads)
-    c = TILED_COST if tiled_cost is None else tiled_cost
+    width = problem.Dk + problem.Dv
     # Python between NumPy's calls holds the GIL: the workers take turns at it (per unit, per
     # step: a unit of several heads computes a tile of each in one round of calls), while the
     # work inside NumPy's loops and products (per score, per key entry a tile reads) runs in
@@ -322,11 +342,7 @@ def estimated_times(
     overhead = c["unit"] * units + c["tile"] * max(0, steps - units)
     key_reads = tiles * tile_plan_sizes(problem)[2] * width  # a partial tile as a whole
     work = scores * (c["score"] + c["score_width"] * width) + c["io"] * key_reads
-    # One thread starts no workers (a single unit, as with one key head, or a short call on one
-    # thread): its call costs less. Hq = 32 query heads over one key head, T = 1, S = 4096: the
-    # tiled path took 1.39 to 1.57 ms, the model with the workers' start said 2.9 ms.
-    call = c["call"] if num_threads > 1 else c["solo"]
-    return reference, call + overhead + work / num_threads
+    return overhead, work, num_threads
 
 
 def _key_reads(problem: AttentionProblem) -> float:
@@ -394,16 +410,17 @@ def tiled_threads(problem: AttentionProblem) -> int:
 
 def _best_tiled(problem: AttentionProblem) -> tuple[float, float, int]:
     """``(reference, tiled, threads)``: the estimates of :func:`estimated_times` (the tiled
-    path's on all cores) and the threads the tiled path would run on, one where its estimate
-    on one thread is the lower. (One thread is estimated only where the model's own terms
-    let it win: a call of workers estimated at 4 times their start's cost or more has work
-    enough to repay it.)"""
+    path's on all cores) and the threads the tiled path would run on: one where the same
+    units, overhead and work cost less without the workers' start and unshared (on one
+    thread the units are as many or fewer, and as long or longer: the estimate errs towards
+    all cores), else all of them."""
+    c = TILED_COST
     threads = default_num_threads()
-    reference, tiled = estimated_times(problem, num_threads=threads)
-    if threads > 1 and tiled < 4 * TILED_COST["call"]:
-        if estimated_times(problem, num_threads=1)[1] <= tiled:
-            return reference, tiled, 1
-    return reference, tiled, threads
+    reference = _reference_time(problem, REFERENCE_COST)
+    overhead, work, n = _tiled_terms(problem, c, threads)
+    tiled = (c["call"] if n > 1 else c["solo"]) + overhead + work / n
+    alone = c["solo"] + overhead + work
+    return reference, tiled, 1 if alone <= tiled else threads
 
 
 def auto_path(problem: AttentionProblem) -> int:
@@ -423,10 +440,11 @@ def auto_path(problem: AttentionProblem) -> int:
     Notes
     -----
     The path is chosen against the tiled path on all cores, as the constants were fitted and
-    `make bench` checks the choice; the threads only then. Against the tiled path on one
-    thread the model's estimate of the reference path is too low for batched small heads
-    (4 x 8 heads of 128 x 128 scores, width 64: estimated 4.3 ms, measured 6.7 to 6.9; the
-    tiled path took 5.6 to 5.9 ms on one thread, 7.5 on two), and chose it.
+    `make bench` checks the choice; the threads only then. Chosen against the tiled path on
+    one thread, it would take the reference path where the model's estimate of it is too low
+    and the tiled path on one thread the faster: 4 x 8 heads of 128 x 128 scores, width 64,
+    the reference estimated at 4.3 ms and measured at 6.7 to 6.9, the tiled path 5.6 to 5.9
+    ms on one thread and 7.5 on two.
 
     Examples
     --------
