@@ -21,9 +21,15 @@ import numpy as np
 from ._checks import available_memory
 from .problem import AttentionProblem
 from .threads import default_num_threads
-from .tiles.band import block_key_spans, head_groups, square_width, tile_plan_sizes
+from .tiles.band import (
+    block_key_spans,
+    head_groups,
+    keys_before_squares,
+    square_width,
+    tile_plan_sizes,
+)
 from .tiles.blocks import unit_count
-from .tuning import BLOCK_K, BLOCK_K_DIAGONAL
+from .tuning import BLOCK_K_DIAGONAL
 
 __all__ = [
     "CACHE_BYTES",
@@ -199,8 +205,7 @@ def tiling_geometry(
             outer * F * T * S,
             min(num_threads, max(units, 1)),
         )
-    wide = BLOCK_K.get(problem.work_dtype, 0) if block_k is None else 0
-    wide = wide if wide > bk and wide % bk == 0 else bk  # as sdpa.tiles.band.unit_pieces
+    wide = keys_before_squares(problem, block_k, bk)
     t0, t1, start, stop = block_key_spans(T, S, bq, problem.offset, *problem.band)
     n_tiles = np.where(stop > start, -(-stop // bk) - start // bk, 0)
     n_steps = n_tiles.copy()
@@ -310,12 +315,18 @@ def estimated_times(
     r = REFERENCE_COST if reference_cost is None else reference_cost
     reference = _reference_time(problem, r)
     c = TILED_COST if tiled_cost is None else tiled_cost
-    overhead, work, num_threads = _tiled_terms(problem, c, num_threads)
-    # One thread starts no workers (a single unit, as with one key head, or a short call on one
-    # thread): its call costs less. Hq = 32 query heads over one key head, T = 1, S = 4096: the
-    # tiled path took 1.39 to 1.57 ms, the model with the workers' start said 2.9 ms.
+    return reference, _tiled_time(c, *_tiled_terms(problem, c, num_threads))
+
+
+def _tiled_time(c, overhead: float, work: float, num_threads: int) -> float:
+    """The tiled path's estimate from its terms (:func:`_tiled_terms`) on ``num_threads``.
+
+    One thread starts no workers (a single unit, as with one key head, or a short call on one
+    thread): its call costs less. Hq = 32 query heads over one key head, T = 1, S = 4096: the
+    tiled path took 1.39 to 1.57 ms, the model with the workers' start said 2.9 ms.
+    """
     call = c["call"] if num_threads > 1 else c["solo"]
-    return reference, call + overhead + work / num_threads
+    return call + overhead + work / num_threads
 
 
 def _reference_time(problem: AttentionProblem, r) -> float:
@@ -401,8 +412,8 @@ def tiled_threads(problem: AttentionProblem) -> int:
     >>> import numpy as np
     >>> from sdpa.cost_model import tiled_threads
     >>> from sdpa.problem import prepare_attention
-    >>> x = np.ones((512, 64), np.float32)
-    >>> tiled_threads(prepare_attention(x, x, x))
+    >>> x = np.ones((1024, 64), np.float32)
+    >>> tiled_threads(prepare_attention(x, x, x, is_causal=True))  # about 4 ms of work
     1
     """
     return _best_tiled(problem)[2]
@@ -418,8 +429,7 @@ def _best_tiled(problem: AttentionProblem) -> tuple[float, float, int]:
     threads = default_num_threads()
     reference = _reference_time(problem, REFERENCE_COST)
     overhead, work, n = _tiled_terms(problem, c, threads)
-    tiled = (c["call"] if n > 1 else c["solo"]) + overhead + work / n
-    alone = c["solo"] + overhead + work
+    tiled, alone = _tiled_time(c, overhead, work, n), _tiled_time(c, overhead, work, 1)
     return reference, tiled, 1 if alone <= tiled else threads
 
 

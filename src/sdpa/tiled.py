@@ -89,6 +89,7 @@ from .tiles.band import (
     allowed_in_run,
     heads_per_unit,
     key_block_range,
+    keys_before_squares,
     partial_rows,
     tile_kind,
     tile_plan_sizes,
@@ -99,7 +100,7 @@ from .tiles.blocks import SquarePiece
 from .tiles.ranges import restore_scale, value_exponents, values_may_be_out_of_range
 from .tiles.softmax import ALL, LOG2E, OnlineSoftmax, Workspace
 from .tiles.workers import Counts, column_top, run_units
-from .tuning import BLOCK_K, BLOCK_K_DIAGONAL, FOLD_LIMIT, tile_exponential
+from .tuning import BLOCK_K_DIAGONAL, FOLD_LIMIT, tile_exponential
 
 __all__ = ["TileStats", "attention_tiled", "tile_map"]
 
@@ -277,7 +278,7 @@ class _Plan:
     n: int  # heads (entries of the last outer axis) per unit
     block_q: int
     block_k: int
-    wide: int  # keys of a piece before a diagonal in squares (sdpa.tiles.band.unit_pieces)
+    wide: int  # keys of a piece before a diagonal in squares (band.keys_before_squares)
     diagonal: int  # keys of a piece inside the squares of a causal diagonal (0: strips only)
     dtype: np.dtype
     may_overflow: bool  # check every tile's scores for overflow (see attention.check_overflow)
@@ -300,11 +301,9 @@ def _make_plan(
     T, S, Dk, Dv = problem.T, problem.S, problem.Dk, problem.Dv
     dtype = problem.work_dtype
     bs = problem.batch_shape
-    # keys before a causal diagonal in squares: in pieces of BLOCK_K (unless the user set
-    # block_k, which then sizes every piece)
-    squares = problem.band[0] is None and problem.band[1] is not None
-    wide = BLOCK_K.get(dtype, 0) if block_k is None and squares else 0
-    G, block_q, block_k = tile_plan_sizes(problem, block_q, block_k, num_threads)
+    G, block_q, bk = tile_plan_sizes(problem, block_q, block_k, num_threads)
+    wide = keys_before_squares(problem, block_k, bk)  # the user's block_k sizes every piece
+    block_k = bk
     fold = G > 1
     outer = bs[:-1] if fold else bs
     lead = (lambda a: a) if outer else (lambda a: a[None])  # one outer axis at least
@@ -377,7 +376,7 @@ class _Space(Workspace):
     shifts, and the keys with a column of ones (made only when a shift is folded in)."""
 
     def __init__(self, plan: _Plan):
-        rows, bk = plan.n * plan.G * plan.block_q, min(max(plan.block_k, plan.wide), plan.S)
+        rows, bk = plan.n * plan.G * plan.block_q, min(plan.wide, plan.S)  # wide >= block_k
         super().__init__(rows, bk, plan.Dv, plan.dtype)
         self.q_shifted = np.empty(rows * (plan.Dk + 1), plan.dtype)  # [query * scale | -m]
         self.disallowed = np.empty(rows * bk, bool) if plan.allowed is not None else None

@@ -94,6 +94,15 @@ def square_width(t0, t1, S: int, block_k: int, diagonal: int, offset: int, lo, h
     return block_k * fits
 
 
+def keys_before_squares(problem: AttentionProblem, block_k: int | None, bk: int) -> int:
+    """Keys per piece before a causal diagonal in squares (``unit_pieces``'s ``wide``):
+    ``BLOCK_K`` when the band is causal-like (an upper edge only), the caller set no
+    ``block_k`` and ``BLOCK_K`` is a multiple of the tiles' ``bk`` keys; else ``bk``."""
+    wide = BLOCK_K.get(problem.work_dtype, 0)
+    causal = problem.band[0] is None and problem.band[1] is not None
+    return wide if causal and block_k is None and wide > bk and wide % bk == 0 else bk
+
+
 def unit_pieces(
     t0: int, t1: int, S: int, block_k: int, diagonal: int, offset: int, lo, hi, wide: int = 0
 ) -> list[BandPiece]:
